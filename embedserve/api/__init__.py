@@ -1,0 +1,1 @@
+"""HTTP layer (FastAPI): schemas and errors in, engine calls out."""

@@ -1,0 +1,117 @@
+"""`embedserve` command line: serve, plan, bench (vLLM-style flags, EMBEDSERVE_* fallbacks)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import MISSING
+
+from .config import ServerConfig, config_fields, env_default
+from .errors import ConfigError
+
+logger = logging.getLogger("embedserve")
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    for f in config_fields():
+        default = f.default if f.default is not MISSING else None
+        default = env_default(f.name, default)
+        flag = "--" + f.name.replace("_", "-")
+        typ = int if f.type in ("int", "int | None") else str
+        p.add_argument(flag, type=typ, default=default,
+                       help=f"{f.metadata.get('help', '')} [env EMBEDSERVE_{f.name.upper()}; default {default!r}]"
+                       if f.name != "api_key" else f"{f.metadata.get('help', '')} [env EMBEDSERVE_API_KEY]")
+
+
+def _config(args) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in config_fields()})
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(args) -> int:
+    import torch
+    import uvicorn
+
+    from .api.app import create_app
+    from .models.embedding_model import EmbeddingModel
+    from .models.registry import resolve_model
+    from .plan import embed_memory_plan
+
+    cfg = _config(args)
+    _setup_logging(cfg.log_level)
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    name, path = resolve_model(cfg.model)
+    plan = embed_memory_plan(path, cfg)
+    for line in plan.lines():
+        logger.info(line)
+    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("binding to %s: the service is reachable from other machines%s", cfg.host,
+                       "" if cfg.api_key else " and no --api-key is set")
+
+    server_box = {}
+
+    def on_load_error(exc):
+        server_box["failed"] = True
+        if "server" in server_box:
+            server_box["server"].should_exit = True
+
+    app = create_app(cfg, loader=lambda: EmbeddingModel(path, name=name, dtype=cfg.dtype, device=cfg.device),
+                     on_load_error=on_load_error)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                           access_log=False, timeout_graceful_shutdown=10))
+    server_box["server"] = server
+    server.run()
+    return 1 if server_box.get("failed") else 0
+
+
+def cmd_plan(args) -> int:
+    from .models.registry import resolve_model
+    from .plan import embed_memory_plan
+
+    cfg = _config(args)
+    name, path = resolve_model(cfg.model)
+    plan = embed_memory_plan(path, cfg)
+    print(f"model {name} ({path})")
+    for line in plan.lines():
+        print(line)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench.embed_bench import main as bench_main
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="embedserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    _add_config_flags(s)
+    s.set_defaults(func=cmd_serve)
+    pl = sub.add_parser("plan", help="print the memory plan without loading weights")
+    _add_config_flags(pl)
+    pl.set_defaults(func=cmd_plan)
+    b = sub.add_parser("bench", help="embedding throughput benchmark (see --help after `bench`)",
+                       add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"embedserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Server configuration: one dataclass, CLI flags mirror its fields (vLLM/TEI names where they
+exist), each with an `EMBEDSERVE_<FIELD>` environment fallback. Impossible settings fail at
+start-up with the reason and the flag to change."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from .errors import ConfigError
+from .models.registry import DEFAULT_MODEL
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Everything `embedserve serve` needs."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "bundled model name or local HF directory"})
+    served_model_name: str | None = field(default=None, metadata={"help": "name clients send as `model` (default: the model's name)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "bind address (loopback unless told otherwise)"})
+    port: int = field(default=8000, metadata={"help": "TCP port"})
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 (auto: bf16 only where it is fast and accurate)"})
+    device: str = field(default="cpu", metadata={"help": "cpu | cuda"})
+    max_batch_tokens: int = field(default=8192, metadata={"help": "token budget of one model batch"})
+    max_batch_size: int = field(default=256, metadata={"help": "most inputs in one model batch"})
+    max_input_length: int | None = field(default=None, metadata={"help": "longest input in tokens (default: the model's limit)"})
+    max_client_batch_size: int = field(default=2048, metadata={"help": "most inputs in one request"})
+    max_queued_tokens: int = field(default=262_144, metadata={"help": "tokens allowed to wait; more gets 429"})
+    max_concurrent_requests: int = field(default=512, metadata={"help": "requests in flight; more gets 429"})
+    max_body_bytes: int = field(default=2 * 1024 * 1024, metadata={"help": "largest request body; more gets 413"})
+    api_key: str | None = field(default=None, metadata={"help": "require `Authorization: Bearer KEY` (all routes but /health, /ready)"})
+    threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
+    log_level: str = field(default="info", metadata={"help": "debug | info | warning"})
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port {self.port} is not a TCP port")
+        if self.dtype not in ("auto", "float32", "bfloat16", "fp32", "bf16"):
+            raise ConfigError(f"--dtype {self.dtype!r}: choose auto, float32 or bfloat16")
+        for name in ("max_batch_tokens", "max_batch_size", "max_client_batch_size", "max_queued_tokens",
+                     "max_concurrent_requests", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_queued_tokens < self.max_batch_tokens:
+            raise ConfigError(f"--max-queued-tokens {self.max_queued_tokens} is below --max-batch-tokens "
+                              f"{self.max_batch_tokens}: a full batch could never queue; raise it")
+        if self.api_key == "":
+            self.api_key = None
+
+    def check_model_limits(self, model_max_input: int) -> int:
+        """The effective max input length, or ConfigError if the batch budget cannot hold it."""
+        limit = self.max_input_length or model_max_input
+        if limit > model_max_input:
+            raise ConfigError(f"--max-input-length {limit} exceeds the model's limit of {model_max_input} "
+                              "tokens (its position embeddings); lower it")
+        if limit > self.max_batch_tokens:
+            raise ConfigError(f"max input length {limit} tokens is above --max-batch-tokens "
+                              f"{self.max_batch_tokens}: a longest input could never be batched; raise "
+                              f"--max-batch-tokens to at least {limit} or lower --max-input-length")
+        return limit
+
+
+def env_default(name: str, default):
+    """`EMBEDSERVE_<NAME>` overrides a field's default, converted to the default's type."""
+    raw = os.environ.get("EMBEDSERVE_" + name.upper())
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(raw)
+    return raw
+
+
+def config_fields():
+    return fields(ServerConfig)

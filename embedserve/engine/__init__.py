@@ -1,0 +1,1 @@
+"""Engines: model work on dedicated threads, never on the event loop."""

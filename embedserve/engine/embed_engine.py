@@ -1,0 +1,198 @@
+"""EmbedEngine: a dedicated thread that forms token-budget batches and runs the model.
+
+The HTTP layer calls `submit` (which may refuse with OverloadedError) and `abort`; results
+come back through each request's `on_done` callback, called on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from ..errors import OverloadedError, UnavailableError, ValidationError
+from ..metrics import Metrics
+from ..models.embedding_model import EmbeddingModel
+from .queue import EmbedRequest, RequestStatus, TokenBudgetQueue
+
+logger = logging.getLogger(__name__)
+
+# One lock for model compute: where cores are few, engines take turns instead of fighting.
+COMPUTE_LOCK = threading.Lock()
+
+
+@dataclass(slots=True)
+class EmbedEngineConfig:
+    """Batching and admission limits (CLI flags of the same names)."""
+
+    max_batch_tokens: int = 8192
+    max_batch_size: int = 256
+    max_queued_tokens: int = 262_144
+    max_concurrent_requests: int = 512
+
+    def __post_init__(self):
+        for f in ("max_batch_tokens", "max_batch_size", "max_queued_tokens", "max_concurrent_requests"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"--{f.replace('_', '-')} must be >= 1")
+        if self.max_queued_tokens < self.max_batch_tokens:
+            raise ValueError("--max-queued-tokens must be >= --max-batch-tokens")
+
+
+class EmbedEngine:
+    """Owns the queue and the model thread."""
+
+    def __init__(self, model: EmbeddingModel, config: EmbedEngineConfig, metrics: Metrics | None = None):
+        self.model = model
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self._queue = TokenBudgetQueue()
+        self._cv = threading.Condition()
+        self._active: set[EmbedRequest] = set()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._tokens_per_s = 2000.0     # EMA of model throughput, for Retry-After estimates
+        self.last_error: BaseException | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="embed-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread:
+            self._thread.join(timeout=30)
+        with self._cv:
+            pending = list(self._active)
+            self._active.clear()
+        for r in pending:
+            r.error = UnavailableError("the server is shutting down; retry against another replica")
+            r.on_done(r)
+
+    def health(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"queued_inputs": len(self._queue), "queued_tokens": self._queue.num_tokens,
+                    "active_requests": len(self._active), "tokens_per_s": round(self._tokens_per_s, 1)}
+
+    # ------------------------------------------------------------ interface
+    def submit(self, request: EmbedRequest) -> None:
+        """Queue a request or refuse it (overloaded); never blocks."""
+        cfg = self.config
+        too_long = [i for i, ids in enumerate(request.inputs) if len(ids) > cfg.max_batch_tokens]
+        if too_long:
+            raise ValidationError(f"input {too_long[0]} has {len(request.inputs[too_long[0]])} tokens, "
+                                  f"more than --max-batch-tokens {cfg.max_batch_tokens}", param="input")
+        with self._cv:
+            if self._stop or not self.health():
+                raise UnavailableError("the embedding engine is not running")
+            if len(self._active) >= cfg.max_concurrent_requests:
+                raise OverloadedError(
+                    f"{len(self._active)} requests in flight, the limit (--max-concurrent-requests) is "
+                    f"{cfg.max_concurrent_requests}; retry later", retry_after=self._retry_after())
+            if self._queue.num_tokens + request.num_tokens > cfg.max_queued_tokens:
+                if self._queue.num_tokens > 0:
+                    raise OverloadedError(
+                        f"{self._queue.num_tokens} tokens queued; this request's {request.num_tokens} more "
+                        f"would pass --max-queued-tokens {cfg.max_queued_tokens}; retry later",
+                        retry_after=self._retry_after())
+                raise ValidationError(
+                    f"this request has {request.num_tokens} tokens, more than --max-queued-tokens "
+                    f"{cfg.max_queued_tokens} can ever hold; split it into smaller requests", param="input")
+            self._queue.append(request)
+            self._active.add(request)
+            self._update_gauges()
+            self._cv.notify()
+
+    def abort(self, request: EmbedRequest) -> None:
+        """The client went away: its queued inputs are dropped before reaching the model."""
+        with self._cv:
+            if request.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
+                request.status = RequestStatus.CANCELLED
+                self._active.discard(request)
+                self._update_gauges()
+
+    # ------------------------------------------------------------ internals
+    def _retry_after(self) -> float:
+        return 1.0 + self._queue.num_tokens / max(self._tokens_per_s, 1.0)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        running = sum(1 for r in self._active if r.status is RequestStatus.RUNNING)
+        m.requests_running.set(running)
+        m.requests_waiting.set(len(self._active) - running)
+        m.queued_tokens.set(self._queue.num_tokens)
+
+    def _loop(self) -> None:
+        cfg, m = self.config, self.metrics
+        while True:
+            with self._cv:
+                while not self._stop and not len(self._queue):
+                    self._cv.wait()
+                if self._stop:
+                    return
+                batch, dropped = self._queue.next_batch(cfg.max_batch_tokens, cfg.max_batch_size)
+                now = time.monotonic()
+                for e in batch:
+                    r = e.request
+                    if r.status is RequestStatus.WAITING:
+                        r.status = RequestStatus.RUNNING
+                        r.first_scheduled = now
+                        m.queue_time.observe(now - r.arrival)
+                self._update_gauges()
+            if dropped:
+                m.dropped.inc(dropped)
+            if not batch:
+                continue
+            want = set().union(*(e.request.want for e in batch))
+            t0 = time.perf_counter()
+            try:
+                with COMPUTE_LOCK:
+                    outs, computed = self.model.embed([e.request.inputs[e.index] for e in batch], want)
+            except Exception as exc:  # a model failure fails this batch's requests, not the engine
+                logger.exception("embedding batch of %d inputs failed", len(batch))
+                self.last_error = exc
+                self._fail({e.request for e in batch}, exc)
+                continue
+            dt = time.perf_counter() - t0
+            real = sum(e.num_tokens for e in batch)
+            self._tokens_per_s = 0.8 * self._tokens_per_s + 0.2 * (real / max(dt, 1e-6))
+            m.batch_inputs.observe(len(batch))
+            m.batch_tokens.observe(real)
+            m.batch_time.observe(dt)
+            m.real_tokens.inc(real)
+            m.computed_tokens.inc(computed)
+            m.padding_ratio.set(real / max(computed, 1))
+            self._deliver(batch, outs)
+
+    def _deliver(self, batch, outs) -> None:
+        done = []
+        with self._cv:
+            for e, out in zip(batch, outs):
+                r = e.request
+                if r.status is RequestStatus.CANCELLED:
+                    continue
+                r.outputs[e.index] = out
+                r.num_remaining -= 1
+                if r.num_remaining == 0:
+                    r.status = RequestStatus.FINISHED
+                    self._active.discard(r)
+                    done.append(r)
+            self._update_gauges()
+        for r in done:
+            r.on_done(r)
+
+    def _fail(self, requests: set[EmbedRequest], exc: BaseException) -> None:
+        with self._cv:
+            for r in requests:
+                r.status = RequestStatus.CANCELLED
+                self._active.discard(r)
+            self._update_gauges()
+        for r in requests:
+            r.error = exc
+            r.on_done(r)

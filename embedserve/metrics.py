@@ -1,0 +1,40 @@
+"""Prometheus metrics, one registry per server instance (tests run several in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """Everything the service exports at /metrics."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests_running = Gauge("embedserve_embed_requests_running",
+                                      "Embedding requests with inputs in the model", registry=r)
+        self.requests_waiting = Gauge("embedserve_embed_requests_waiting",
+                                      "Embedding requests queued, none of their inputs scheduled yet", registry=r)
+        self.queued_tokens = Gauge("embedserve_embed_queued_tokens", "Tokens waiting in the queue", registry=r)
+        self.batch_inputs = Histogram("embedserve_embed_batch_size_inputs", "Inputs per model batch",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
+        self.batch_tokens = Histogram("embedserve_embed_batch_size_tokens", "Real tokens per model batch",
+                                      buckets=(16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768), registry=r)
+        self.real_tokens = Counter("embedserve_embed_real_tokens", "Real (unpadded) tokens embedded", registry=r)
+        self.computed_tokens = Counter("embedserve_embed_computed_tokens",
+                                       "Tokens computed including attention padding", registry=r)
+        self.padding_ratio = Gauge("embedserve_embed_padding_efficiency",
+                                   "Real tokens / computed tokens over the last batch", registry=r)
+        self.queue_time = Histogram("embedserve_embed_queue_time_seconds",
+                                    "Arrival to first input scheduled", buckets=_LATENCY, registry=r)
+        self.batch_time = Histogram("embedserve_embed_batch_seconds", "Model time per batch",
+                                    buckets=_LATENCY, registry=r)
+        self.latency = Histogram("embedserve_request_latency_seconds", "End-to-end request latency",
+                                 ["route"], buckets=_LATENCY, registry=r)
+        self.requests = Counter("embedserve_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.tokens = Counter("embedserve_prompt_tokens", "Prompt tokens accepted", registry=r)
+        self.errors = Counter("embedserve_errors", "Errors by type", ["type"], registry=r)
+        self.dropped = Counter("embedserve_embed_dropped_inputs",
+                               "Inputs dropped before the model because their client went away", registry=r)

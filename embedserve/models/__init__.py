@@ -1,0 +1,1 @@
+"""Model code: our own encoder (BERT / XLM-R), BGE-M3 heads, bundled-model resolution."""

@@ -1,0 +1,291 @@
+"""An embedding model: tokenizer + encoder + heads + the model's own conventions.
+
+Conventions (pooling, normalization, query/passage prefixes) live here with the model,
+never in the HTTP layer. BGE-M3 (FlagEmbedding's formulas), from one forward pass:
+
+    dense   = normalize(h[CLS])
+    sparse  = max over positions of relu(sparse_linear(h)) per token id, specials removed, > 0 kept
+    colbert = normalize(colbert_linear(h[1:]))  per token (CLS excluded)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from .encoder import AttentionPlan, Encoder, EncoderConfig
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_TYPES = ("dense", "sparse", "colbert")
+
+# Probe texts for the bf16 acceptance check (English, Chinese, French; short and long).
+_PROBE_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "How much protein should a female eat per day?",
+    "北京是中华人民共和国的首都，也是全国的政治和文化中心。",
+    "La tour Eiffel est une tour de fer puddlé de 330 mètres de hauteur située à Paris.",
+    "Retrieval-augmented generation combines a retriever over a document index with a "
+    "generator that conditions on the retrieved passages to answer questions. " * 3,
+    "量子计算利用量子力学现象进行计算。",
+]
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    """What the outside world may know about the served model (also the index manifest's source)."""
+
+    name: str
+    path: str
+    model_type: str
+    dim: int
+    pooling: str            # "cls" | "mean"
+    normalize: bool
+    query_prefix: str
+    passage_prefix: str
+    max_input_length: int
+    vocab_size: int
+    has_sparse: bool
+    has_colbert: bool
+    dtype: str
+    fingerprint: str
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class EmbedOutput:
+    """One input's results; fields not requested stay None."""
+
+    dense: np.ndarray | None = None                          # (D,) float32
+    sparse: tuple[np.ndarray, np.ndarray] | None = None      # (token ids int64, weights float32)
+    colbert: np.ndarray | None = None                        # (n_tokens - 1, D_c) float32
+
+
+def fast_bf16_available(device: torch.device) -> bool:
+    """True where bf16 matmuls are fast: a CUDA GPU with bf16, or a CPU with AVX512-BF16 / AMX.
+    (Without them torch emulates bf16 on the CPU, which is far slower than fp32.)"""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def read_conventions(path: Path, model_type: str) -> dict:
+    """Pooling, normalization and prefixes from `embedserve_model.json`, else from a
+    sentence-transformers layout, else BGE-M3's (CLS) when its heads are present."""
+    own = path / "embedserve_model.json"
+    if own.exists():
+        return json.loads(own.read_text())
+    conv = {"pooling": "mean", "normalize": True, "query_prefix": "", "passage_prefix": ""}
+    pooling_cfg = path / "1_Pooling" / "config.json"
+    if (path / "sparse_linear.pt").exists() or (path / "colbert_linear.pt").exists():
+        conv["pooling"] = "cls"
+    elif pooling_cfg.exists():
+        p = json.loads(pooling_cfg.read_text())
+        conv["pooling"] = "cls" if p.get("pooling_mode_cls_token") else "mean"
+    else:
+        logger.warning("%s states no pooling; using mean pooling with L2 normalization "
+                       "(write embedserve_model.json to say otherwise)", path)
+    modules = path / "modules.json"
+    if modules.exists():
+        types = [m.get("type", "") for m in json.loads(modules.read_text())]
+        conv["normalize"] = any(t.endswith("Normalize") for t in types) or conv["pooling"] == "cls"
+    return conv
+
+
+def fingerprint_dir(path: Path) -> str:
+    """sha256 over the weights, heads and tokenizer: two models share it only if identical."""
+    h = hashlib.sha256()
+    names = sorted(p.name for p in path.iterdir()
+                   if p.suffix in (".safetensors", ".pt") or p.name in ("tokenizer.json", "config.json"))
+    for name in names:
+        h.update(name.encode())
+        with open(path / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _load_head(path: Path, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Weights only: never unpickle arbitrary objects from a model directory.
+    sd = torch.load(str(path), map_location="cpu", weights_only=True)
+    return sd["weight"].float().to(device), sd["bias"].float().to(device)
+
+
+class EmbeddingModel:
+    """Tokenize, then embed token-id lists into dense / sparse / ColBERT outputs."""
+
+    def __init__(self, path: str | Path, name: str | None = None, dtype: str = "auto",
+                 device: str = "cpu"):
+        self.path = Path(path)
+        if not (self.path / "config.json").exists():
+            raise FileNotFoundError(f"{self.path} is not a Hugging Face model directory (no config.json)")
+        self.device = torch.device(device)
+        self.cfg = EncoderConfig.from_dir(self.path)
+        conv = read_conventions(self.path, self.cfg.model_type)
+        self.pooling = conv.get("pooling", "mean")
+        self.normalize = bool(conv.get("normalize", True))
+        self.prefixes = {"query": conv.get("query_prefix", ""), "passage": conv.get("passage_prefix", "")}
+        self.tokenizer = self._load_tokenizer()
+        self.sparse_head = self.colbert_head = None
+        if (self.path / "sparse_linear.pt").exists():
+            self.sparse_head = _load_head(self.path / "sparse_linear.pt", self.device)
+        if (self.path / "colbert_linear.pt").exists():
+            self.colbert_head = _load_head(self.path / "colbert_linear.pt", self.device)
+        self.torch_dtype = self._choose_dtype(dtype)
+        self.encoder = self._load_encoder(self.torch_dtype)
+        self.special_ids = self._special_ids()
+        self.spec = ModelSpec(
+            name=name or conv.get("name") or self.path.name, path=str(self.path),
+            model_type=self.cfg.model_type, dim=self.cfg.hidden_size, pooling=self.pooling,
+            normalize=self.normalize, query_prefix=self.prefixes["query"],
+            passage_prefix=self.prefixes["passage"], max_input_length=self.max_input_length,
+            vocab_size=self.cfg.vocab_size, has_sparse=self.sparse_head is not None,
+            has_colbert=self.colbert_head is not None,
+            dtype=str(self.torch_dtype).removeprefix("torch."), fingerprint=fingerprint_dir(self.path))
+
+    # ----------------------------------------------------------------- loading
+    def _load_tokenizer(self) -> Tokenizer:
+        tj = self.path / "tokenizer.json"
+        if not tj.exists():
+            raise FileNotFoundError(f"{self.path} has no tokenizer.json (a `tokenizers` fast tokenizer)")
+        tok = Tokenizer.from_file(str(tj))
+        tok.no_truncation()
+        tok.no_padding()
+        # Specials the post-processor adds around content: [CLS] … [SEP] or <s> … </s>.
+        empty = tok.encode("").ids
+        self.bos_ids, self.eos_ids = empty[:1], empty[1:]
+        limit = self.cfg.max_input_length
+        tc = self.path / "tokenizer_config.json"
+        if tc.exists():
+            mml = json.loads(tc.read_text()).get("model_max_length")
+            if isinstance(mml, int) and 0 < mml < limit:
+                limit = mml
+        self.max_input_length = limit
+        return tok
+
+    def _special_ids(self) -> set[int]:
+        ids = set(self.bos_ids) | set(self.eos_ids) | {self.cfg.pad_token_id}
+        for unk in ("<unk>", "[UNK]"):
+            i = self.tokenizer.token_to_id(unk)
+            if i is not None:
+                ids.add(i)
+        return ids
+
+    def _load_encoder(self, dtype: torch.dtype) -> Encoder:
+        return Encoder.from_dir(self.path, dtype=dtype, device=self.device)
+
+    def _choose_dtype(self, dtype: str) -> torch.dtype:
+        if dtype in ("float32", "fp32"):
+            return torch.float32
+        if dtype in ("bfloat16", "bf16"):
+            return torch.bfloat16
+        if dtype != "auto":
+            raise ValueError(f"--dtype must be auto, float32 or bfloat16, not {dtype!r}")
+        if not fast_bf16_available(self.device):
+            logger.info("dtype auto -> float32 (no fast bf16 on this %s)", self.device.type)
+            return torch.float32
+        cos = self.bf16_agreement()
+        if cos >= 0.999:
+            logger.info("dtype auto -> bfloat16 (min cosine to float32 on probe texts %.5f)", cos)
+            return torch.bfloat16
+        logger.warning("dtype auto -> float32: bf16 min cosine %.5f < 0.999 for this model", cos)
+        return torch.float32
+
+    def bf16_agreement(self, texts: list[str] | None = None) -> float:
+        """Minimum cosine between bf16 and fp32 dense embeddings of `texts` (probe set by default)."""
+        ids = self.tokenize(texts or _PROBE_TEXTS)
+        ref = np.stack([o.dense for o in self._embed_with(Encoder.from_dir(self.path, torch.float32, self.device), ids, {"dense"})])
+        low = np.stack([o.dense for o in self._embed_with(Encoder.from_dir(self.path, torch.bfloat16, self.device), ids, {"dense"})])
+        cos = (ref * low).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(low, axis=1))
+        return float(cos.min())
+
+    # -------------------------------------------------------------- tokenizing
+    def tokenize(self, texts: list[str], input_type: str | None = None) -> list[list[int]]:
+        """Token ids with specials, untruncated (the caller decides what is too long)."""
+        prefix = self.prefixes.get(input_type or "", "")
+        if prefix:
+            texts = [prefix + t for t in texts]
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)]
+
+    def wrap_token_ids(self, ids: list[int]) -> list[int]:
+        """Client-supplied content token ids get the model's specials, like text does."""
+        return self.bos_ids + list(ids) + self.eos_ids
+
+    def truncate(self, ids: list[int], limit: int | None = None) -> list[int]:
+        """Cut to `limit` tokens (default: the model's), keeping the closing special token."""
+        limit = limit or self.max_input_length
+        if len(ids) <= limit:
+            return ids
+        return ids[: limit - len(self.eos_ids)] + self.eos_ids
+
+    # --------------------------------------------------------------- embedding
+    def embed(self, batch: list[list[int]], want: set[str]) -> tuple[list[EmbedOutput], int]:
+        """Embed token-id lists; returns outputs in input order and the computed token count
+        (real tokens plus attention padding) for the padding-efficiency metric."""
+        return self._embed_with(self.encoder, batch, want, with_computed=True)
+
+    def _embed_with(self, encoder: Encoder, batch: list[list[int]], want: set[str],
+                    with_computed: bool = False):
+        order = sorted(range(len(batch)), key=lambda i: -len(batch[i]))
+        lengths = [len(batch[i]) for i in order]
+        plan = AttentionPlan.build(lengths)
+        dev = self.device
+        ids = torch.tensor([t for i in order for t in batch[i]], dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(L) for L in lengths]).to(dev)
+        h = encoder(ids, pos, plan)                                           # (T, H)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        outs = [EmbedOutput() for _ in batch]
+        if "dense" in want:
+            dense = self._pool(h, lengths, starts)                           # (B, H) fp32
+            dense_np = dense.cpu().numpy()
+            for k, i in enumerate(order):
+                outs[i].dense = dense_np[k]
+        if "sparse" in want:
+            w = torch.relu(F.linear(h.float(), *self.sparse_head)).squeeze(-1).cpu().numpy()  # (T,)
+            ids_np = ids.cpu().numpy()
+            for k, i in enumerate(order):
+                s, L = starts[k], lengths[k]
+                outs[i].sparse = self._lexical_weights(ids_np[s:s + L], w[s:s + L])
+        if "colbert" in want:
+            c = F.normalize(F.linear(h.float(), *self.colbert_head), dim=-1).cpu().numpy()  # (T, Dc)
+            for k, i in enumerate(order):
+                s, L = starts[k], lengths[k]
+                outs[i].colbert = c[s + 1:s + L]
+        if with_computed:
+            return outs, plan.computed_tokens
+        return outs
+
+    def _pool(self, h: torch.Tensor, lengths: list[int], starts: np.ndarray) -> torch.Tensor:
+        if self.pooling == "cls":
+            pooled = h[torch.as_tensor(starts, device=h.device)].float()
+        else:
+            seg = torch.repeat_interleave(torch.arange(len(lengths), device=h.device),
+                                          torch.as_tensor(lengths, device=h.device))
+            sums = torch.zeros(len(lengths), h.shape[1], dtype=torch.float32, device=h.device)
+            sums.index_add_(0, seg, h.float())
+            pooled = sums / torch.as_tensor(lengths, dtype=torch.float32, device=h.device)[:, None]
+        return F.normalize(pooled, dim=-1) if self.normalize else pooled
+
+    def _lexical_weights(self, ids: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keep = (w > 0) & ~np.isin(ids, list(self.special_ids))
+        ids, w = ids[keep], w[keep]
+        if not len(ids):
+            return np.zeros(0, np.int64), np.zeros(0, np.float32)
+        order = np.lexsort((-w, ids))           # by id, largest weight first within an id
+        ids, w = ids[order], w[order]
+        first = np.concatenate([[True], ids[1:] != ids[:-1]])
+        return ids[first].astype(np.int64), w[first].astype(np.float32)

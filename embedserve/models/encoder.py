@@ -1,0 +1,235 @@
+"""Our own BERT / XLM-RoBERTa encoder on packed (unpadded) token batches.
+
+Every linear layer runs on the packed `(T, H)` matrix of real tokens only, so mixed lengths
+cost no padding in the matmuls that dominate the FLOPs. Attention is the only place that
+needs per-sequence structure; sequences are packed in length order and cut into groups of
+near-equal length (`AttentionPlan`), each run as one padded `scaled_dot_product_attention`.
+
+    packed tokens (length-sorted):  [ s0 s0 s0 | s1 s1 s1 | s2 s2 | s3 ]
+    attention groups:               [ g0: 2 seqs × 3      | g1: 2 seqs × 2, one pad ]
+
+BERT and XLM-R share the math; they differ only in where position ids start
+(XLM-R: `padding_idx + 1`) and in checkpoint key prefixes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+logger = logging.getLogger(__name__)
+
+_KEY_PREFIXES = ("bert.", "roberta.", "model.", "encoder_model.")
+
+
+@dataclass(slots=True)
+class EncoderConfig:
+    """The subset of a HF `config.json` our encoder needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        if self.model_type not in ("bert", "xlm-roberta", "roberta"):
+            raise ValueError(f"unsupported encoder model_type {self.model_type!r}; "
+                             "embedserve encodes with BERT, RoBERTa and XLM-RoBERTa checkpoints")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        if self.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}")
+
+    @property
+    def position_offset(self) -> int:
+        """First position id: RoBERTa-family models count from `padding_idx + 1`."""
+        return self.pad_token_id + 1 if self.model_type in ("xlm-roberta", "roberta") else 0
+
+    @property
+    def max_input_length(self) -> int:
+        return self.max_position_embeddings - self.position_offset
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "EncoderConfig":
+        raw = json.loads((Path(path) / "config.json").read_text())
+        names = [f for f in cls.__dataclass_fields__]  # type: ignore[attr-defined]
+        return cls(**{k: raw[k] for k in names if k in raw})
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """How the packed, length-sorted batch is cut into padded attention groups."""
+
+    lengths: list[int]
+    # (token_start, token_end, n_seqs, max_len, dest index into the padded (n*L) layout or None)
+    groups: list[tuple[int, int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(
+        default_factory=list)
+    computed_tokens: int = 0
+
+    @classmethod
+    def build(cls, lengths: list[int], max_waste: float = 0.125) -> "AttentionPlan":
+        """`lengths` must be sorted descending; a group grows while its padding stays under
+        `max_waste` of its real tokens, so attention pads little and launches few kernels."""
+        plan = cls(lengths=list(lengths))
+        tok = 0
+        i = 0
+        while i < len(lengths):
+            j, real = i + 1, lengths[i]
+            max_len = lengths[i]
+            while j < len(lengths) and max_len * (j + 1 - i) <= (1 + max_waste) * (real + lengths[j]):
+                real += lengths[j]
+                j += 1
+            n = j - i
+            dest = mask = None
+            if max_len * n != real:
+                dest = torch.cat([torch.arange(L) + k * max_len for k, L in enumerate(lengths[i:j])])
+                mask = torch.zeros(n, 1, 1, max_len, dtype=torch.bool)
+                for k, L in enumerate(lengths[i:j]):
+                    mask[k, 0, 0, :L] = True
+            plan.groups.append((tok, tok + real, n, max_len, dest, mask))
+            plan.computed_tokens += n * max_len
+            tok += real
+            i = j
+        return plan
+
+
+class Encoder(torch.nn.Module):
+    """Post-LayerNorm transformer encoder (BERT / XLM-R) over packed tokens."""
+
+    def __init__(self, cfg: EncoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        H = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = H // cfg.num_attention_heads
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.word = w("embeddings.word_embeddings.weight")                   # (V, H)
+        self.pos = w("embeddings.position_embeddings.weight")                # (P, H)
+        tt = weights.get("embeddings.token_type_embeddings.weight")
+        self.type0 = (tt[0] if tt is not None else torch.zeros(H)).to(device=device, dtype=dtype)  # (H,)
+        self.emb_ln = (w("embeddings.LayerNorm.weight"), w("embeddings.LayerNorm.bias"))
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"encoder.layer.{i}."
+            a = p + "attention.self."
+            self.layers.append({
+                # q, k, v fused into one (3H, H) matmul
+                "wqkv": torch.cat([w(a + "query.weight"), w(a + "key.weight"), w(a + "value.weight")]),
+                "bqkv": torch.cat([w(a + "query.bias"), w(a + "key.bias"), w(a + "value.bias")]),
+                "wo": w(p + "attention.output.dense.weight"), "bo": w(p + "attention.output.dense.bias"),
+                "ln1": (w(p + "attention.output.LayerNorm.weight"), w(p + "attention.output.LayerNorm.bias")),
+                "wi": w(p + "intermediate.dense.weight"), "bi": w(p + "intermediate.dense.bias"),
+                "wo2": w(p + "output.dense.weight"), "bo2": w(p + "output.dense.bias"),
+                "ln2": (w(p + "output.LayerNorm.weight"), w(p + "output.LayerNorm.bias")),
+            })
+
+    @classmethod
+    def from_dir(cls, path: Path, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> "Encoder":
+        """Load HF weights from safetensors only (never pickle)."""
+        path = Path(path)
+        cfg = EncoderConfig.from_dir(path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path} has no *.safetensors weights; embedserve loads "
+                                    "safetensors only (convert pickled .bin weights first)")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            for k, v in load_file(str(f)).items():
+                for pre in _KEY_PREFIXES:
+                    if k.startswith(pre):
+                        k = k[len(pre):]
+                        break
+                weights[k] = v
+        return cls(cfg, weights, dtype, device)
+
+    def num_parameters(self) -> int:
+        n = self.word.numel() + self.pos.numel() + self.type0.numel() + 2 * self.cfg.hidden_size
+        for layer in self.layers:
+            n += sum(t.numel() for v in layer.values() for t in (v if isinstance(v, tuple) else (v,)))
+        return n
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        act = self.cfg.hidden_act
+        if act == "gelu":
+            return F.gelu(x)
+        if act == "relu":
+            return F.relu(x)
+        return F.gelu(x, approximate="tanh")
+
+    def _attention(self, qkv: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        nh, hd = self.num_heads, self.head_dim
+        H = nh * hd
+        outs = []
+        for start, end, n, L, dest, mask in plan.groups:
+            g = qkv[start:end]                                               # (t, 3H)
+            if dest is not None:
+                padded = g.new_zeros(n * L, 3 * H)
+                padded[dest.to(g.device)] = g
+                g = padded
+            q, k, v = g.view(n, L, 3, nh, hd).permute(2, 0, 3, 1, 4)         # each (n, nh, L, hd)
+            if mask is not None:
+                mask = mask.to(g.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)      # (n, nh, L, hd)
+            o = o.transpose(1, 2).reshape(n * L, H)
+            outs.append(o[dest.to(o.device)] if dest is not None else o)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                plan: AttentionPlan) -> torch.Tensor:
+        """input_ids, position_ids: (T,) packed in `plan` order -> hidden states (T, H)."""
+        cfg = self.cfg
+        H = cfg.hidden_size
+        eps = cfg.layer_norm_eps
+        x = self.word[input_ids] + self.pos[position_ids + cfg.position_offset] + self.type0
+        x = F.layer_norm(x, (H,), *self.emb_ln, eps)                          # (T, H)
+        for p in self.layers:
+            qkv = F.linear(x, p["wqkv"], p["bqkv"])                          # (T, 3H)
+            ctx = self._attention(qkv, plan)                                 # (T, H)
+            x = F.layer_norm(x + F.linear(ctx, p["wo"], p["bo"]), (H,), *p["ln1"], eps)
+            h = self._act(F.linear(x, p["wi"], p["bi"]))                     # (T, I)
+            x = F.layer_norm(x + F.linear(h, p["wo2"], p["bo2"]), (H,), *p["ln2"], eps)
+        return x
+
+
+def activation_bytes(cfg: EncoderConfig, max_batch_tokens: int, max_len: int, bytes_per_el: int) -> int:
+    """Peak activation memory for one batch: a few (T, H) and one (T, I) live at once, plus
+    the attention scores of the largest group (SDPA's math path materializes them)."""
+    T, H, I = max_batch_tokens, cfg.hidden_size, cfg.intermediate_size
+    hidden = T * (6 * H + I) * bytes_per_el
+    groups = max(1, max_batch_tokens // max(max_len, 1))
+    scores = groups * cfg.num_attention_heads * max_len * max_len * 4
+    return int(hidden + scores + T * 64)
+
+
+def model_weight_bytes(path: Path, bytes_per_el: int) -> int:
+    """Weight bytes after load, read from safetensors headers without loading tensors."""
+    total = 0
+    for f in Path(path).glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for k, meta in header.items():
+            if k != "__metadata__":
+                total += math.prod(meta["shape"]) * bytes_per_el
+    return total

