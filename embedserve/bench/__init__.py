@@ -1,0 +1,1 @@
+"""Benchmarks (load generators and side-by-side peer runs)."""

@@ -1,0 +1,124 @@
+"""The real server (uvicorn on a free port, the default bundled model) used through the
+unmodified `openai` SDK and concurrent raw HTTP clients."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from conftest import TEXTS_EN_ZH_FR
+
+pytestmark = pytest.mark.slow
+MODEL = "multilingual-e5-small"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(e5_dir):
+    port = _free_port()
+    env = dict(os.environ, EMBEDSERVE_THREADS="2")
+    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port),
+                             "--max-batch-tokens", "4096", "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + proc.stdout.read())
+            try:
+                if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            raise RuntimeError("server never became ready")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def _ref(e5_model, texts):
+    outs, _ = e5_model.embed(e5_model.tokenize(texts), {"dense"})
+    return np.stack([o.dense for o in outs])
+
+
+def test_sdk_one_string(sdk, e5_model):
+    r = sdk.embeddings.create(model=MODEL, input="北京是中华人民共和国的首都。")
+    assert r.model == MODEL and len(r.data) == 1 and r.data[0].index == 0
+    np.testing.assert_allclose(r.data[0].embedding, _ref(e5_model, ["北京是中华人民共和国的首都。"])[0], atol=1e-5)
+    assert r.usage.prompt_tokens == r.usage.total_tokens > 0
+
+
+def test_sdk_list_float_and_base64(sdk, e5_model):
+    ref = _ref(e5_model, TEXTS_EN_ZH_FR)
+    f = sdk.embeddings.create(model=MODEL, input=TEXTS_EN_ZH_FR, encoding_format="float")
+    b = sdk.embeddings.create(model=MODEL, input=TEXTS_EN_ZH_FR, encoding_format="base64")
+    for resp in (f, b):
+        assert [d.index for d in resp.data] == list(range(len(TEXTS_EN_ZH_FR)))
+        got = np.array([d.embedding for d in resp.data])
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_sdk_errors_raise_typed_exceptions(sdk):
+    with pytest.raises(openai.NotFoundError):
+        sdk.embeddings.create(model="text-embedding-3-small", input="x")
+    with pytest.raises(openai.BadRequestError) as exc:
+        sdk.embeddings.create(model=MODEL, input="")
+    assert "empty" in str(exc.value)
+    with pytest.raises(openai.BadRequestError):
+        sdk.embeddings.create(model=MODEL, input="x", dimensions=64)
+
+
+def test_sdk_extensions_through_extra_body(sdk, e5_model):
+    q = sdk.embeddings.create(model=MODEL, input="how much protein per day",
+                              extra_body={"input_type": "query"})
+    ref = _ref(e5_model, ["query: how much protein per day"])[0]
+    np.testing.assert_allclose(q.data[0].embedding, ref, atol=1e-5)
+
+
+def test_64_concurrent_requests_of_mixed_sizes_get_their_own_vectors(server, e5_model):
+    rng = np.random.default_rng(0)
+    pool = TEXTS_EN_ZH_FR + [f"document number {i} " * int(rng.integers(1, 60)) for i in range(40)]
+    requests = [[pool[int(j)] for j in rng.integers(0, len(pool), size=int(rng.integers(1, 12)))]
+                for _ in range(64)]
+    ref = {t: v for t, v in zip(pool, _ref(e5_model, pool))}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=120) as c:
+            return await asyncio.gather(*[c.post("/v1/embeddings", json={"input": texts, "model": MODEL})
+                                          for texts in requests])
+
+    responses = asyncio.run(run())
+    for texts, resp in zip(requests, responses):
+        assert resp.status_code == 200, resp.text
+        data = resp.json()["data"]
+        assert [d["index"] for d in data] == list(range(len(texts)))
+        for t, d in zip(texts, data):
+            assert float(np.dot(d["embedding"], ref[t])) >= 0.9999
+    metrics = httpx.get(server + "/metrics").text
+    batches = [l for l in metrics.splitlines() if l.startswith("embedserve_embed_batch_size_inputs_count")]
+    n_batches = float(batches[0].split()[-1])
+    assert n_batches < sum(map(len, requests)), "concurrent inputs should share batches"
