@@ -2,6 +2,7 @@
 unmodified `openai` SDK and concurrent raw HTTP clients."""
 
 import asyncio
+import base64
 import os
 import socket
 import subprocess
@@ -75,11 +76,15 @@ def test_sdk_one_string(sdk, e5_model):
 def test_sdk_list_float_and_base64(sdk, e5_model):
     ref = _ref(e5_model, TEXTS_EN_ZH_FR)
     f = sdk.embeddings.create(model=MODEL, input=TEXTS_EN_ZH_FR, encoding_format="float")
+    # Left unset, the SDK asks for base64 itself and decodes it to floats.
+    d = sdk.embeddings.create(model=MODEL, input=TEXTS_EN_ZH_FR)
+    for resp in (f, d):
+        assert [x.index for x in resp.data] == list(range(len(TEXTS_EN_ZH_FR)))
+        np.testing.assert_allclose(np.array([x.embedding for x in resp.data]), ref, atol=1e-5)
+    # Asked explicitly, the SDK hands back the base64 strings: little-endian float32.
     b = sdk.embeddings.create(model=MODEL, input=TEXTS_EN_ZH_FR, encoding_format="base64")
-    for resp in (f, b):
-        assert [d.index for d in resp.data] == list(range(len(TEXTS_EN_ZH_FR)))
-        got = np.array([d.embedding for d in resp.data])
-        np.testing.assert_allclose(got, ref, atol=1e-5)
+    got = np.stack([np.frombuffer(base64.b64decode(x.embedding), dtype="<f4") for x in b.data])
+    np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
 def test_sdk_errors_raise_typed_exceptions(sdk):

