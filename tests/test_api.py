@@ -2,6 +2,7 @@
 every user error as a clear 4xx in OpenAI's envelope, auth, readiness, overload, metrics."""
 
 import base64
+import json
 import threading
 import time
 
@@ -98,9 +99,15 @@ def test_dimensions(client):
     ({"input": "x", "embedding_types": ["colbert"]}, "embedding_types", "no colbert head"),
     ({"input": "x", "embedding_types": ["bm25"]}, "embedding_types.0", "dense"),
     ({}, "input", "required"),
+    ({"input": "\ud800"}, "input", "unpaired UTF-16 surrogate"),
+    ({"input": [1.5]}, "input", "input 0 is a float"),
+    ({"input": [True]}, "input", "input 0 is a bool"),
+    ({"input": "x", "embedding_types": []}, "embedding_types", "at least 1"),
+    ({"input": "x", "user": "u" * 300}, "user", "at most 256"),
 ])
 def test_bad_inputs_are_400_with_a_useful_message(client, payload, param, needle):
-    e = _err(client.post("/v1/embeddings", json=payload), 400)
+    # json.dumps escapes non-ASCII (a lone surrogate too) the way a hostile client would send it
+    e = _err(client.post("/v1/embeddings", content=json.dumps(payload).encode()), 400)
     assert e["param"] == param
     assert needle in e["message"]
     assert e["type"] == "invalid_request_error"

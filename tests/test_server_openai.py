@@ -127,3 +127,29 @@ def test_64_concurrent_requests_of_mixed_sizes_get_their_own_vectors(server, e5_
     batches = [l for l in metrics.splitlines() if l.startswith("embedserve_embed_batch_size_inputs_count")]
     n_batches = float(batches[0].split()[-1])
     assert n_batches < sum(map(len, requests)), "concurrent inputs should share batches"
+
+
+def test_client_that_goes_away_has_its_inputs_dropped(server):
+    """Requests whose clients time out are dropped from the queue, not embedded."""
+    def dropped():
+        for line in httpx.get(server + "/metrics").text.splitlines():
+            if line.startswith("embedserve_embed_dropped_inputs_total"):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = dropped()
+    texts = [f"a fairly long passage number {i} " * 20 for i in range(120)]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=0.3) as c:
+            return await asyncio.gather(*[c.post("/v1/embeddings", json={"input": texts}) for _ in range(3)],
+                                        return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, httpx.TimeoutException) for r in results)
+    deadline = time.time() + 60
+    while time.time() < deadline and dropped() <= before:
+        time.sleep(0.2)
+    assert dropped() > before
+    # and the server is still serving
+    assert httpx.post(server + "/v1/embeddings", json={"input": "still here"}, timeout=60).status_code == 200

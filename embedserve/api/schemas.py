@@ -24,7 +24,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: StrictInt | None = None
     user: str | None = Field(default=None, max_length=256)
     # extensions
-    embedding_types: list[Literal["dense", "sparse", "colbert"]] | None = None
+    embedding_types: list[Literal["dense", "sparse", "colbert"]] | None = Field(default=None, min_length=1)
     input_type: Literal["query", "passage"] | None = None
     truncate: StrictBool = False
 
@@ -49,6 +49,12 @@ def parse_inputs(raw: Any, max_inputs: int) -> tuple[list[str] | None, list[list
             if not t.strip():
                 where = "`input`" if single else f"input {i}"
                 raise ValidationError(f"{where} is an empty string; every input needs text", param="input")
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                where = "`input`" if single else f"input {i}"
+                raise ValidationError(f"{where} contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+                                      "send valid Unicode text", param="input") from None
         return raw, None
     if all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
         return None, [raw]
@@ -59,5 +65,9 @@ def parse_inputs(raw: Any, max_inputs: int) -> tuple[list[str] | None, list[list
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValidationError(f"input {i} must be a list of integer token ids", param="input")
         return None, raw
+    odd = next((i for i, x in enumerate(raw) if not isinstance(x, (str, int, list)) or isinstance(x, bool)), None)
+    if odd is not None:
+        raise ValidationError(f"input {odd} is a {type(raw[odd]).__name__}; inputs are strings, integer token "
+                              "ids or lists of token ids", param="input")
     raise ValidationError("`input` mixes types; send all strings, or all token ids, or all token-id lists",
                           param="input")

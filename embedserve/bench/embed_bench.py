@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", type=int, default=2000, help="corpus size for the fp32 runs")
     ap.add_argument("--bf16-texts", type=int, default=400,
                     help="corpus slice for the bf16 runs (0 to skip; bf16 is emulated, slow, on CPUs without AVX512-BF16/AMX)")
-    ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--max-batch-tokens", type=int, default=4096)
     ap.add_argument("--out", default="bench-results/embed.json")
     args = ap.parse_args(argv)
 
