@@ -5,6 +5,7 @@ start-up with the reason and the flag to change."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
@@ -29,6 +30,7 @@ class ServerConfig:
     max_concurrent_requests: int = field(default=512, metadata={"help": "requests in flight; more gets 429"})
     max_body_bytes: int = field(default=2 * 1024 * 1024, metadata={"help": "largest request body; more gets 413"})
     api_key: str | None = field(default=None, metadata={"help": "require `Authorization: Bearer KEY` (all routes but /health, /ready)"})
+    index_dir: str | None = field(default=None, metadata={"help": "root of the named indexes (default $EMBEDSERVE_HOME/indexes)"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning"})
 
@@ -60,6 +62,11 @@ class ServerConfig:
                               f"{self.max_batch_tokens}: a longest input could never be batched; raise "
                               f"--max-batch-tokens to at least {limit} or lower --max-input-length")
         return limit
+
+
+def embedserve_home() -> Path:
+    """$EMBEDSERVE_HOME, default ~/.cache/embedserve: converted models, indexes."""
+    return Path(os.environ.get("EMBEDSERVE_HOME") or Path.home() / ".cache" / "embedserve")
 
 
 def env_default(name: str, default):

@@ -187,6 +187,45 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+async def embed_via_engine(state: AppState, inputs: list[list[int]], want: set[str],
+                           request: Request | None = None) -> EmbedRequest | None:
+    """Submit token-id inputs to the engine and wait; None if the client went away first
+    (its queued inputs are then dropped before the model runs them). Raises typed errors."""
+    if not state.ready:
+        raise UnavailableError("model is loading; retry shortly", retry_after=5)
+    engine = state.engine
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def on_done(r):
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
+
+    req = EmbedRequest(inputs=inputs, want=frozenset(want), on_done=on_done)
+    engine.submit(req)
+    state.metrics.tokens.inc(req.num_tokens)
+    waiters = {done}
+    gone = asyncio.ensure_future(_wait_disconnect(request)) if request is not None else None
+    if gone is not None:
+        waiters.add(gone)
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        engine.abort(req)
+        raise
+    finally:
+        if gone is not None:
+            gone.cancel()
+    if not done.done():
+        engine.abort(req)
+        logger.info("client went away; dropped a request of %d inputs", len(inputs))
+        return None
+    if req.error is not None:
+        if isinstance(req.error, EmbedServeError):
+            raise req.error
+        raise UnavailableError("the model failed on this batch; retry", retry_after=1)
+    return req
+
+
 def create_app(config: ServerConfig, model: EmbeddingModel | None = None,
                loader: Callable[[], EmbeddingModel] | None = None,
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
@@ -277,7 +316,7 @@ def create_app(config: ServerConfig, model: EmbeddingModel | None = None,
         body = await _parse_body(request, EmbeddingRequest)
         if not state.ready:
             raise UnavailableError("model is loading; retry shortly", retry_after=5)
-        model_, engine = state.model, state.engine
+        model_ = state.model
         spec = model_.spec
         if body.model is not None and body.model not in (state.served_name, spec.name):
             raise NotFoundError(f"model {body.model!r} is not served here; this server serves "
@@ -317,31 +356,9 @@ def create_app(config: ServerConfig, model: EmbeddingModel | None = None,
                 inputs[i] = model_.truncate(ids, limit)
                 truncated.append(i)
 
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def on_done(r):
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
-
-        req = EmbedRequest(inputs=inputs, want=frozenset(want), on_done=on_done)
-        engine.submit(req)
-        state.metrics.tokens.inc(req.num_tokens)
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            engine.abort(req)
-            raise
-        finally:
-            gone.cancel()
-        if not done.done():
-            engine.abort(req)
-            logger.info("client went away; dropped a request of %d inputs", len(inputs))
+        req = await embed_via_engine(state, inputs, want, request)
+        if req is None:
             return Response(status_code=499)
-        if req.error is not None:
-            if isinstance(req.error, EmbedServeError):
-                raise req.error
-            raise UnavailableError("the model failed on this batch; retry", retry_after=1)
         payload = await run_in_threadpool(_render, req, body, state.served_name, truncated)
         return Response(payload, media_type="application/json")
 
