@@ -19,7 +19,11 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not MISSING else None
         default = env_default(f.name, default)
         flag = "--" + f.name.replace("_", "-")
-        typ = int if f.type in ("int", "int | None") else str
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                           help=f"{f.metadata.get('help', '')} [env EMBEDSERVE_{f.name.upper()}]")
+            continue
+        typ = {"int": int, "int | None": int, "float | None": float, "float": float}.get(f.type, str)
         p.add_argument(flag, type=typ, default=default,
                        help=f"{f.metadata.get('help', '')} [env EMBEDSERVE_{f.name.upper()}; default {default!r}]"
                        if f.name != "api_key" else f"{f.metadata.get('help', '')} [env EMBEDSERVE_API_KEY]")

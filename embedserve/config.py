@@ -30,6 +30,17 @@ class ServerConfig:
     max_concurrent_requests: int = field(default=512, metadata={"help": "requests in flight; more gets 429"})
     max_body_bytes: int = field(default=2 * 1024 * 1024, metadata={"help": "largest request body; more gets 413"})
     api_key: str | None = field(default=None, metadata={"help": "require `Authorization: Bearer KEY` (all routes but /health, /ready)"})
+    # generation (RAG answer step)
+    generate_model: str = field(default="SmolLM2-135M-Instruct", metadata={"help": "bundled decoder name, local HF Llama directory, or none"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    kv_cache_memory: int | None = field(default=None, metadata={"help": "bytes for the KV cache (default: --memory-utilization, else min(2 GiB, 10%% of free RAM) on a CPU)"})
+    memory_utilization: float | None = field(default=None, metadata={"help": "fraction of free RAM (GPU memory on a GPU) for the KV cache"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | float16 | fp8 (fp8 only on GPUs with compute capability >= 8.9)"})
+    max_model_len: int | None = field(default=None, metadata={"help": "prompt + output tokens per request (default: the model's, at most 8192)"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget of one decode step (default 512 on a CPU, 8192 on a GPU)"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences running at once"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "share KV blocks of common prompt prefixes"})
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps so decoding never stalls"})
     index_dir: str | None = field(default=None, metadata={"help": "root of the named indexes (default $EMBEDSERVE_HOME/indexes)"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning"})
@@ -37,6 +48,12 @@ class ServerConfig:
     def __post_init__(self):
         if self.max_batch_tokens is None:
             self.max_batch_tokens = 16384 if self.device.startswith("cuda") else 4096
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if self.device.startswith("cuda") else 512
+        if self.generate_model.lower() in ("none", "", "off"):
+            self.generate_model = "none"
+        if self.memory_utilization is not None and not 0 < self.memory_utilization < 1:
+            raise ConfigError(f"--memory-utilization {self.memory_utilization} must be a fraction in (0, 1)")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
         if self.dtype not in ("auto", "float32", "bfloat16", "fp32", "bf16"):
@@ -74,6 +91,8 @@ def env_default(name: str, default):
     raw = os.environ.get("EMBEDSERVE_" + name.upper())
     if raw is None:
         return default
+    if isinstance(default, float):
+        return float(raw)
     if isinstance(default, bool):
         return raw.lower() in ("1", "true", "yes", "on")
     if isinstance(default, int):

@@ -36,5 +36,22 @@ class Metrics:
                                 ["route", "status"], registry=r)
         self.tokens = Counter("embedserve_prompt_tokens", "Prompt tokens accepted", registry=r)
         self.errors = Counter("embedserve_errors", "Errors by type", ["type"], registry=r)
+        # generation (decode engine)
+        self.gen_running = Gauge("embedserve_gen_requests_running", "Sequences running", registry=r)
+        self.gen_waiting = Gauge("embedserve_gen_requests_waiting", "Sequences waiting", registry=r)
+        self.gen_kv_usage = Gauge("embedserve_gen_kv_cache_usage", "Fraction of KV blocks in use", registry=r)
+        self.gen_prefix_queries = Gauge("embedserve_gen_prefix_cache_queries_tokens",
+                                        "Prompt tokens looked up in the prefix cache", registry=r)
+        self.gen_prefix_hits = Gauge("embedserve_gen_prefix_cache_hits_tokens",
+                                     "Prompt tokens served from the prefix cache", registry=r)
+        self.gen_ttft = Histogram("embedserve_gen_time_to_first_token_seconds", "Time to first token",
+                                  buckets=_LATENCY, registry=r)
+        self.gen_itl = Histogram("embedserve_gen_inter_token_latency_seconds", "Time between output tokens",
+                                 buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2), registry=r)
+        self.gen_e2e = Histogram("embedserve_gen_e2e_latency_seconds", "Request end-to-end latency",
+                                 buckets=_LATENCY, registry=r)
+        self.gen_prompt_tokens = Counter("embedserve_gen_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.gen_tokens = Counter("embedserve_gen_generation_tokens", "Tokens generated", registry=r)
+        self.gen_preemptions = Counter("embedserve_gen_preemptions", "Sequences preempted", registry=r)
         self.dropped = Counter("embedserve_embed_dropped_inputs",
                                "Inputs dropped before the model because their client went away", registry=r)

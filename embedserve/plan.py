@@ -72,3 +72,69 @@ def embed_memory_plan(model_dir: Path, config: ServerConfig) -> MemoryPlan:
         raise ConfigError("; ".join(plan.lines()) + " -- does not fit: lower --max-batch-tokens, "
                           "use --dtype bfloat16, or pick a smaller model")
     return plan
+
+
+@dataclass(slots=True)
+class KVCachePlan:
+    """The decode model's memory: weights, a paged KV pool, activations at the step budget."""
+
+    dtype: str
+    weights: int
+    kv_budget: int
+    kv_bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    activations: int
+    max_model_len: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.kv_tokens / self.max_model_len
+
+    def lines(self) -> list[str]:
+        gib = 1 << 30
+        return [f"decode plan ({self.dtype}): weights {self.weights / gib:.2f} GiB, activations "
+                f"{self.activations / gib:.2f} GiB, KV cache {self.num_blocks * self.block_size * self.kv_bytes_per_token / gib:.2f} GiB "
+                f"({self.kv_bytes_per_token} bytes/token)",
+                f"KV cache blocks: {self.num_blocks} of {self.block_size} tokens = {self.kv_tokens} tokens",
+                f"Maximum concurrency for {self.max_model_len} tokens per request: {self.max_concurrency:.2f}x"]
+
+
+def decode_memory_plan(model_dir: Path, config: ServerConfig, embed_bytes: int = 0) -> KVCachePlan:
+    """Blocks = KV budget / (block_size × 2 × layers × kv_heads × head_dim × bytes per element)."""
+    from .models.llama import LlamaConfig
+
+    cfg = LlamaConfig.from_dir(model_dir)
+    dtype = resolve_dtype(config.dtype, config.device)
+    bpe = 2 if dtype == "bfloat16" else 4
+    kv_bpe = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}.get(config.kv_cache_dtype, bpe)
+    max_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+    if max_len > cfg.max_position_embeddings:
+        raise ConfigError(f"--max-model-len {max_len} exceeds the model's {cfg.max_position_embeddings} positions")
+    weights = model_weight_bytes(model_dir, bpe)
+    T = config.max_num_batched_tokens
+    activations = T * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + config.max_num_seqs * cfg.vocab_size * 4 * 2
+    free = available_memory(config.device) - embed_bytes - weights - activations
+    if config.kv_cache_memory:
+        budget = config.kv_cache_memory
+    elif config.memory_utilization:
+        budget = int(available_memory(config.device) * config.memory_utilization) - weights - activations
+    else:
+        budget = min(2 << 30, int(0.1 * available_memory(config.device)))
+    per_token = cfg.kv_bytes_per_token(kv_bpe)
+    blocks = budget // (config.block_size * per_token)
+    plan = KVCachePlan(dtype=dtype, weights=weights, kv_budget=budget, kv_bytes_per_token=per_token,
+                       block_size=config.block_size, num_blocks=int(blocks), activations=activations,
+                       max_model_len=max_len)
+    if budget > free:
+        raise ConfigError(f"the KV cache budget {budget / (1 << 30):.2f} GiB exceeds free memory "
+                          f"{max(free, 0) / (1 << 30):.2f} GiB after weights and activations; lower "
+                          "--kv-cache-memory or --memory-utilization")
+    if plan.kv_tokens < max_len:
+        raise ConfigError(f"the KV cache holds {plan.kv_tokens} tokens, fewer than one request of "
+                          f"--max-model-len {max_len}; raise --kv-cache-memory or lower --max-model-len")
+    return plan

