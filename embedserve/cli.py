@@ -54,6 +54,13 @@ def cmd_serve(args) -> int:
     plan = embed_memory_plan(path, cfg)
     for line in plan.lines():
         logger.info(line)
+    gen_loader = None
+    if cfg.generate_model != "none":
+        from .engine.generator_factory import load_generator, plan_generator
+        gname, gpath, gplan = plan_generator(cfg, embed_bytes=plan.total)
+        for line in gplan.lines():
+            logger.info(line)
+        gen_loader = lambda: load_generator(cfg, gname, gpath, gplan)  # noqa: E731
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("binding to %s: the service is reachable from other machines%s", cfg.host,
                        "" if cfg.api_key else " and no --api-key is set")
@@ -66,7 +73,7 @@ def cmd_serve(args) -> int:
             server_box["server"].should_exit = True
 
     app = create_app(cfg, loader=lambda: EmbeddingModel(path, name=name, dtype=cfg.dtype, device=cfg.device),
-                     on_load_error=on_load_error)
+                     on_load_error=on_load_error, gen_loader=gen_loader)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                                            access_log=False, timeout_graceful_shutdown=10))
     server_box["server"] = server
@@ -84,6 +91,12 @@ def cmd_plan(args) -> int:
     print(f"model {name} ({path})")
     for line in plan.lines():
         print(line)
+    if cfg.generate_model != "none":
+        from .engine.generator_factory import plan_generator
+        gname, gpath, gplan = plan_generator(cfg, embed_bytes=plan.total)
+        print(f"generate model {gname} ({gpath})")
+        for line in gplan.lines():
+            print(line)
     return 0
 
 
@@ -105,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
+    from .index_cli import register as register_index; register_index(sub)
     return p
 
 

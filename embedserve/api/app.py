@@ -52,6 +52,7 @@ class AppState:
     max_input_length: int = 0
     ready: bool = False
     load_error: str | None = None
+    generator: object | None = None          # generate_routes.Generator once the decoder is up
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -228,13 +229,21 @@ async def embed_via_engine(state: AppState, inputs: list[list[int]], want: set[s
 
 def create_app(config: ServerConfig, model: EmbeddingModel | None = None,
                loader: Callable[[], EmbeddingModel] | None = None,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """Build the app. Pass a loaded `model`, or a `loader` run on a thread at start-up
-    (the server answers /health at once and /ready turns 200 once the model is warm)."""
+               on_load_error: Callable[[BaseException], None] | None = None,
+               generator=None, gen_loader: Callable[[], object] | None = None) -> FastAPI:
+    """Build the app. Pass a loaded `model` (and `generator`), or loaders run on a thread at
+    start-up (the server answers /health at once; /ready turns 200 once all models are warm)."""
     state = AppState(config=config)
+
+    def start_generator(gen) -> None:
+        gen.engine.metrics = state.metrics
+        gen.engine.start()
+        state.generator = gen
 
     def load():
         try:
+            if gen_loader is not None:
+                start_generator(gen_loader())
             state.install(loader())
         except BaseException as exc:  # reported through /ready and the callback
             logger.exception("model failed to load")
@@ -244,6 +253,8 @@ def create_app(config: ServerConfig, model: EmbeddingModel | None = None,
 
     @asynccontextmanager
     async def lifespan(app):
+        if generator is not None:
+            start_generator(generator)
         if model is not None:
             state.install(model)
         elif loader is not None:
@@ -251,6 +262,8 @@ def create_app(config: ServerConfig, model: EmbeddingModel | None = None,
         yield
         if state.engine:
             state.engine.stop()
+        if state.generator is not None:
+            state.generator.engine.stop()
 
     app = FastAPI(title="embedserve", version=__version__, lifespan=lifespan)
     app.state.embedserve = state
@@ -286,6 +299,8 @@ def create_app(config: ServerConfig, model: EmbeddingModel | None = None,
     async def health():
         if state.engine is not None and not state.engine.health():
             return error_response(UnavailableError("the embedding engine thread has stopped"))
+        if state.generator is not None and not state.generator.engine.health():
+            return error_response(UnavailableError("the generation engine thread has stopped"))
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -309,6 +324,10 @@ def create_app(config: ServerConfig, model: EmbeddingModel | None = None,
                          "owned_by": "embedserve", "dimensions": spec.dim,
                          "max_input_length": state.max_input_length, "pooling": spec.pooling,
                          "embedding_types": ["dense"] + sorted(_heads(state.model)), "dtype": spec.dtype})
+        if state.generator is not None:
+            g = state.generator
+            data.append({"id": g.name, "object": "model", "created": state.created, "owned_by": "embedserve",
+                         "max_model_len": g.engine.config.max_model_len, "task": "generate"})
         return {"object": "list", "data": data}
 
     @app.post("/v1/embeddings")
@@ -362,6 +381,10 @@ def create_app(config: ServerConfig, model: EmbeddingModel | None = None,
         payload = await run_in_threadpool(_render, req, body, state.served_name, truncated)
         return Response(payload, media_type="application/json")
 
+    from .generate_routes import build_router as build_generate_router
+    app.include_router(build_generate_router(state))
+    from .index_routes import build_router as build_index_router
+    app.include_router(build_index_router(state))
     return app
 
 

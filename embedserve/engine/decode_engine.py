@@ -159,6 +159,22 @@ class DecodeEngine:
             self._inbox.append(("abort", seq_id))
             self._cv.notify()
 
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Offline batch generation on the calling thread (the engine thread must not be running):
+        every prompt is queued at once and stepped to completion; returns the finished sequences."""
+        assert not self.health(), "use add() while the engine thread runs"
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = []
+        for ids, p in zip(prompts, plist):
+            self.check_request(len(ids), p.max_tokens)
+            seq = Sequence(next(self._ids), list(ids), p)
+            self._detok[seq.seq_id] = _Detok(self.tokenizer, p.stop)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        while self.scheduler.has_work():
+            self.step()
+        return seqs
+
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_usage": round(self.bm.usage(), 4), "free_blocks": self.bm.num_free_blocks,
