@@ -1,1 +1,92 @@
 """Triton kernels for the paged KV cache, each beside a plain-torch reference (see DESIGN.md)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV = "EMBEDSERVE_ATTENTION_BACKEND"
+BACKENDS = ("triton", "reference")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The three paged-KV functions of one implementation (signatures in kernels/reference.py)."""
+
+    name: str
+    store_kv: Callable[..., None]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    paged_prefill_attention: Callable[..., torch.Tensor]
+
+
+def attention_backend(name: str | None = None) -> AttentionBackend:
+    """The Triton kernels when a CUDA GPU is there, the torch reference otherwise.
+
+    `name` ("triton", "reference" or "auto"), else the environment variable
+    EMBEDSERVE_ATTENTION_BACKEND, overrides the choice. "triton" without a GPU runs the kernels
+    in Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is first
+    imported (tests do this); triton is imported only when this backend is chosen."""
+    chosen = (name or os.environ.get(BACKEND_ENV) or "auto").strip().lower()
+    if chosen == "auto":
+        chosen = "triton" if torch.cuda.is_available() else "reference"
+    if chosen not in BACKENDS:
+        source = "argument" if name else f"${BACKEND_ENV}"
+        raise ValueError(f"unknown attention backend {chosen!r} (from the {source}): "
+                         f"choose one of {', '.join(BACKENDS)} or auto")
+    return _load(chosen)
+
+
+@functools.cache
+def _load(name: str) -> AttentionBackend:
+    """Import a backend once (the engine asks on every layer of every step)."""
+    if name == "reference":
+        from . import reference as impl
+        store = impl.store_kv
+    else:
+        from . import paged_attention as impl
+        from .store_kv import store_kv as store
+        if not torch.cuda.is_available():
+            logger.warning("triton attention backend without a CUDA GPU: the kernels run in Triton's "
+                           "interpreter (TRITON_INTERPRET=1), for tests only")
+    logger.info("attention backend: %s", name)
+    return AttentionBackend(name, store, impl.paged_decode_attention, impl.paged_prefill_attention)
+
+
+_KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                    "fp8": torch.float8_e4m3fn}
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device,
+                         model_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The torch dtype of the KV cache for the `--kv-cache-dtype` setting, or ValueError why not.
+
+    "auto" is the model's dtype when given, else bfloat16 on a GPU that has it (compute
+    capability >= 8.0), float16 on an older GPU, float32 on a CPU. "fp8" is e4m3
+    (torch.float8_e4m3fn) with a per-tensor scale of 1.0: K/V are cast as they are, which
+    keeps them within e4m3's range (|x| <= 448) for the models this serves, at ~2 significant
+    digits; it needs compute capability >= 8.9 (Ada, Hopper and later), the first with fp8
+    conversion instructions, as vLLM requires."""
+    device = torch.device(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    where = f"{device} has compute capability {capability[0]}.{capability[1]}" if capability else f"device is {device}"
+    if kv_cache_dtype == "auto":
+        if model_dtype is not None:
+            return model_dtype
+        if capability is None:
+            return torch.float32
+        return torch.bfloat16 if capability >= (8, 0) else torch.float16
+    if kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of auto, {', '.join(_KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "fp8" and (capability is None or capability < (8, 9)):
+        raise ValueError(f"kv_cache_dtype fp8 needs a CUDA GPU with compute capability >= 8.9 "
+                         f"(Ada/Hopper or later); the {where}")
+    if kv_cache_dtype == "bfloat16" and capability is not None and capability < (8, 0):
+        raise ValueError(f"kv_cache_dtype bfloat16 needs compute capability >= 8.0 on a GPU; the {where}")
+    return _KV_CACHE_DTYPES[kv_cache_dtype]

@@ -57,3 +57,28 @@ def minilm_model(minilm_dir):
 def bgem3_model():
     from embedserve.models.embedding_model import EmbeddingModel
     return EmbeddingModel(BGE_M3_DIR, name="tiny-bge-m3", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from embedserve.models.registry import resolve_generate_model
+    return resolve_generate_model("SmolLM2-135M-Instruct")[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """(our LlamaModel fp32, HF tokenizer) for the bundled SmolLM2."""
+    from transformers import AutoTokenizer
+
+    from embedserve.models.llama import LlamaModel
+    return LlamaModel.from_dir(smollm2_dir), AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def make_decode_engine(smollm2, **kw):
+    """A DecodeEngine on the shared SmolLM2 weights (each engine has its own KV pool)."""
+    from embedserve.engine.decode_engine import DecodeEngine, DecodeEngineConfig
+    model, tok = smollm2
+    cfg = dict(num_blocks=512, block_size=16, max_model_len=2048, max_num_batched_tokens=512,
+               max_num_seqs=64, enable_prefix_caching=True, enable_chunked_prefill=True)
+    cfg.update(kw)
+    return DecodeEngine(model, tok, DecodeEngineConfig(**cfg))

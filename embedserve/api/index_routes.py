@@ -123,10 +123,11 @@ class OpenIndexes:
         return ix
 
     def drop(self, name: str) -> None:
+        """Forget `name` (it is being deleted: no snapshot)."""
         with self._lock:
             ix = self._open.pop(name, None)
         if ix is not None:
-            ix.close()
+            ix.close(snapshot=False)
 
     def close_all(self) -> None:
         with self._lock:

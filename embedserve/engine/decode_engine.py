@@ -40,6 +40,7 @@ class DecodeEngineConfig:
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    kv_cache_dtype: torch.dtype | None = None     # default: the model's dtype
 
     def __post_init__(self):
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -102,7 +103,8 @@ class DecodeEngine:
         self.bm = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.enable_chunked_prefill), self.bm)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, model.dtype)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size,
+                                  config.kv_cache_dtype or model.dtype)
         self.eos = set(model.cfg.eos_token_ids)
         self._ids = itertools.count()
         self._inbox: list[tuple[str, object]] = []

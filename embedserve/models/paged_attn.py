@@ -12,7 +12,7 @@ The batch is ordered decodes first (one query token each), then prefill chunks:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,14 @@ class AttentionMetadata:
     num_decodes: int                 # the first num_decodes sequences have exactly one query token
     context_lens_list: list[int]
     q_lens_list: list[int]
+    cache: dict = field(default_factory=dict)   # gather slots and masks, built once per step
+
+
+def _slots(block_tables: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
+    """(B, max_len) cache slots of each sequence's first max_len tokens."""
+    pos = torch.arange(max_len, device=block_tables.device)
+    blocks = block_tables[:, pos // block_size].long().clamp_min(0)
+    return blocks * block_size + pos % block_size
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -43,13 +51,29 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     vf.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """(B, max_len, kvh, hd) view of each sequence's first max_len cached tokens."""
-    bs = cache.shape[1]
-    pos = torch.arange(max_len, device=cache.device)
-    blocks = block_tables[:, pos // bs].long().clamp_min(0)            # (B, max_len)
-    slots = blocks * bs + pos % bs
-    return cache.view(-1, *cache.shape[2:])[slots]
+def _plan(meta: AttentionMetadata, block_size: int) -> dict:
+    """Slots and masks shared by every layer of the step."""
+    if meta.cache:
+        return meta.cache
+    dev = meta.block_tables.device
+    D = meta.num_decodes
+    if D:
+        L = max(meta.context_lens_list[:D])
+        meta.cache["decode"] = (
+            _slots(meta.block_tables[:D], block_size, L),
+            (torch.arange(L, device=dev)[None, :] < meta.context_lens[:D, None])[:, None, None, :])  # (D,1,1,L)
+    starts = meta.cache["starts"] = meta.cu_seqlens_q.tolist()
+    for b in range(D, len(meta.context_lens_list)):
+        ql, n = starts[b + 1] - starts[b], meta.context_lens_list[b]
+        qpos = torch.arange(n - ql, n, device=dev)[:, None]
+        meta.cache[b] = (_slots(meta.block_tables[b:b + 1], block_size, n),
+                         (torch.arange(n, device=dev)[None, :] <= qpos)[None, None])     # (1,1,ql,n)
+    return meta.cache
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """(B, L, kvh, hd) -> transposed (B, kvh, L, hd) for SDPA."""
+    return cache.view(-1, *cache.shape[2:])[slots].transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -63,25 +87,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return be.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                           meta.context_lens, scale)
     out = torch.empty_like(q)
+    plan = _plan(meta, k_cache.shape[1])
     D = meta.num_decodes
     if D:
-        ctx = meta.context_lens[:D]
-        L = max(meta.context_lens_list[:D])
-        k = _gather(k_cache, meta.block_tables[:D], L).transpose(1, 2)     # (D, kvh, L, hd)
-        v = _gather(v_cache, meta.block_tables[:D], L).transpose(1, 2)
-        mask = (torch.arange(L, device=q.device)[None, :] < ctx[:, None])[:, None, None, :]  # (D,1,1,L)
-        o = F.scaled_dot_product_attention(q[:D, :, None, :].to(k.dtype), k, v, attn_mask=mask,
-                                           scale=scale, enable_gqa=True)  # (D, nh, 1, hd)
+        slots, mask = plan["decode"]
+        o = F.scaled_dot_product_attention(q[:D, :, None, :].to(k_cache.dtype), _gather(k_cache, slots),
+                                           _gather(v_cache, slots), attn_mask=mask, scale=scale,
+                                           enable_gqa=True)                    # (D, nh, 1, hd)
         out[:D] = o[:, :, 0, :].to(q.dtype)
-    starts = meta.cu_seqlens_q.tolist()
+    starts = plan["starts"]
     for b in range(D, len(meta.context_lens_list)):
         s0, s1 = starts[b], starts[b + 1]
-        ql, n = s1 - s0, meta.context_lens_list[b]
-        k = _gather(k_cache, meta.block_tables[b:b + 1], n).transpose(1, 2)  # (1, kvh, n, hd)
-        v = _gather(v_cache, meta.block_tables[b:b + 1], n).transpose(1, 2)
-        qpos = torch.arange(n - ql, n, device=q.device)[:, None]
-        mask = (torch.arange(n, device=q.device)[None, :] <= qpos)[None, None]  # (1,1,ql,n)
-        o = F.scaled_dot_product_attention(q[s0:s1].transpose(0, 1)[None].to(k.dtype), k, v,
+        slots, mask = plan[b]
+        o = F.scaled_dot_product_attention(q[s0:s1].transpose(0, 1)[None].to(k_cache.dtype),
+                                           _gather(k_cache, slots), _gather(v_cache, slots),
                                            attn_mask=mask, scale=scale, enable_gqa=True)  # (1, nh, ql, hd)
         out[s0:s1] = o[0].transpose(0, 1).to(q.dtype)
     return out

@@ -1,0 +1,247 @@
+"""`embedserve index create | list | info | add | search | verify | delete`.
+
+The model runs in-process (no server needed); `--model` defaults to the one the index's
+manifest names, so `add` and `search` cannot pick a different one by accident (and if they
+are told to, the manifest check refuses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from .config import embedserve_home
+from .errors import EmbedServeError, ValidationError
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    """Add the `index` command and its subcommands to the top-level parser."""
+    p = subparsers.add_parser("index", help="create, fill, search and check vector indexes")
+    sub = p.add_subparsers(dest="index_command", required=True)
+
+    def cmd(name, func, help_):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("--index-dir", default=os.environ.get("EMBEDSERVE_INDEX_DIR"),
+                       help="index root [env EMBEDSERVE_INDEX_DIR; default $EMBEDSERVE_HOME/indexes]")
+        c.set_defaults(func=lambda args: _run(func, args))
+        return c
+
+    def model_flags(c, default=None):
+        c.add_argument("--model", default=default,
+                       help="bundled model name or local HF directory" +
+                       ("" if default else " (default: the one the index was built with)"))
+        c.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
+
+    c = cmd("create", cmd_create, "create an empty index bound to a model")
+    c.add_argument("name")
+    model_flags(c, default=os.environ.get("EMBEDSERVE_MODEL", "multilingual-e5-small"))
+    c.add_argument("--dense", choices=["flat", "hnsw"], default="flat", help="exact (flat) or approximate (hnsw)")
+    c.add_argument("--hnsw-m", type=int, default=32)
+    c.add_argument("--ef-construction", type=int, default=200)
+    c.add_argument("--ef-search", type=int, default=128)
+
+    cmd("list", cmd_list, "list indexes")
+    c = cmd("info", cmd_info, "print an index's manifest and live counts")
+    c.add_argument("name")
+
+    c = cmd("add", cmd_add, "upsert documents from JSONL ({id, text, metadata}) or text files")
+    c.add_argument("name")
+    c.add_argument("files", nargs="+", type=Path)
+    model_flags(c)
+    c.add_argument("--batch-size", type=int, default=256, help="documents per committed upsert")
+
+    c = cmd("search", cmd_search, "search an index")
+    c.add_argument("name")
+    c.add_argument("query")
+    model_flags(c)
+    c.add_argument("--top-k", type=int, default=10)
+    c.add_argument("--mode", choices=["dense", "sparse", "hybrid"], default="dense")
+    c.add_argument("--fusion", choices=["weighted", "rrf"], default=None)
+    c.add_argument("--weights", default="0.4,0.2", help="dense,sparse weights of the weighted fusion")
+    c.add_argument("--filter", default=None, help='metadata filter as JSON, e.g. \'{"lang": ["en", "fr"]}\'')
+    c.add_argument("--json", action="store_true", help="print the hits as JSON")
+
+    c = cmd("verify", cmd_verify, "check counts, checksums and vectors; recall@10 of an approximate index")
+    c.add_argument("name")
+    c.add_argument("--sample", type=int, default=200)
+
+    c = cmd("delete", cmd_delete, "delete an index, or some of its documents with --ids")
+    c.add_argument("name")
+    c.add_argument("--ids", nargs="+", default=None, help="delete these documents instead of the whole index")
+
+
+def _run(func, args) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return func(args)
+    except EmbedServeError as exc:
+        print(f"embedserve index: error: {exc.message}", file=sys.stderr)
+        return 1
+
+
+def _store(args):
+    from index.store import IndexStore
+    return IndexStore(args.index_dir or embedserve_home() / "indexes")
+
+
+def _load_model(spec_name: str, dtype: str):
+    from .models.embedding_model import EmbeddingModel
+    from .models.registry import resolve_model
+    name, path = resolve_model(spec_name)
+    return EmbeddingModel(path, name=name, dtype=dtype)
+
+
+def _model_for(args, store):
+    """`--model`, else the model the index's manifest names."""
+    model = args.model or store.manifest(args.name).model
+    try:
+        return _load_model(model, args.dtype)
+    except FileNotFoundError as exc:
+        raise ValidationError(f"{exc}; pass --model with the model this index was built with") from None
+
+
+def _print(obj) -> None:
+    print(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+def cmd_create(args) -> int:
+    from index.manifest import DenseConfig, ModelIdentity
+    store = _store(args)
+    model = _load_model(args.model, args.dtype)
+    dense = DenseConfig(kind=args.dense, hnsw_m=args.hnsw_m, ef_construction=args.ef_construction,
+                        ef_search=args.ef_search)
+    with store.create(args.name, ModelIdentity.from_spec(model.spec), dense) as ix:
+        _print(ix.describe())
+    return 0
+
+
+def cmd_list(args) -> int:
+    store = _store(args)
+    for name in store.names():
+        m = store.manifest(name)
+        print(f"{name}\t{m.version}\t{m.model}\t{m.dimension}d\t{m.dense_index['kind']}\t"
+              f"{m.counts.get('documents', 0)} documents")
+    return 0
+
+
+@contextmanager
+def _reading(store, name: str, identity=None):
+    """Open for a read-only command: no snapshot on the way out (that is the writers' job)."""
+    ix = store.open(name, identity)
+    try:
+        yield ix
+    finally:
+        ix.close(snapshot=False)
+
+
+def cmd_info(args) -> int:
+    with _reading(_store(args), args.name) as ix:
+        _print(ix.describe())
+    return 0
+
+
+def _read_documents(files: list[Path]):
+    """Documents from JSONL lines ({id, text, metadata}) or whole text files (id = the path)."""
+    from index.docstore import Document
+    for path in files:
+        if path.suffix in (".jsonl", ".ndjson"):
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                        yield Document(str(obj["id"]), obj["text"], obj.get("metadata") or {})
+                    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                        raise ValidationError(f"{path}:{n}: each line must be a JSON object with `id` and `text` "
+                                              f"({exc})") from None
+        else:
+            yield Document(str(path), path.read_text(encoding="utf-8"), {"source": str(path)})
+
+
+def cmd_add(args) -> int:
+    from tqdm import tqdm
+
+    from index.encode import embed_documents
+    from index.manifest import ModelIdentity
+
+    store = _store(args)
+    model = _model_for(args, store)
+    identity = ModelIdentity.from_spec(model.spec)
+    docs = list(_read_documents(args.files))
+    tally: dict[str, int] = {}
+    truncated = 0
+    with store.open(args.name, identity) as ix, tqdm(total=len(docs), unit="doc", desc=f"index {args.name}") as bar:
+        for start in range(0, len(docs), max(1, args.batch_size)):
+            batch = docs[start:start + args.batch_size]
+            need = ix.pending(batch)
+            todo = [d for d, n in zip(batch, need) if n]
+            dense, sparse = [None] * len(batch), [None] * len(batch)
+            if todo:
+                d, s, cut = embed_documents(model, [x.text for x in todo])
+                truncated += len(cut)
+                it = iter(zip(d, s))
+                for i, n in enumerate(need):
+                    if n:
+                        dense[i], sparse[i] = next(it)
+            change = ix.upsert(batch, dense, sparse, identity)
+            for outcome in change.outcomes.values():
+                tally[outcome] = tally.get(outcome, 0) + 1
+            bar.update(len(batch))
+        counts = ix.counts()
+    _print({"index": args.name, **tally, "truncated": truncated, "counts": counts})
+    return 0
+
+
+def cmd_search(args) -> int:
+    from index.encode import encode_query
+    from index.manifest import ModelIdentity
+    from index.search import Query
+
+    store = _store(args)
+    model = _model_for(args, store)
+    identity = ModelIdentity.from_spec(model.spec)
+    try:
+        weights = tuple(float(x) for x in args.weights.split(","))
+        flt = json.loads(args.filter) if args.filter else None
+    except ValueError as exc:
+        raise ValidationError(f"--weights is two numbers like 0.4,0.2 and --filter a JSON object ({exc})") from None
+    if len(weights) != 2:
+        raise ValidationError("--weights takes two numbers: dense,sparse")
+    with _reading(store, args.name, identity) as ix:
+        dense, sparse = encode_query(model, args.query, args.mode)
+        hits = ix.search(Query(dense=dense, sparse=sparse, top_k=args.top_k, mode=args.mode, fusion=args.fusion,
+                               weights=weights, filter=flt), identity)
+    if args.json:
+        _print([{"id": h.id, "score": h.score, "scores": h.scores, "text": h.text, "metadata": h.metadata}
+                for h in hits])
+    else:
+        for rank, h in enumerate(hits, 1):
+            print(f"{rank:3d}  {h.score:8.4f}  {h.id}  {h.text[:100].replace(chr(10), ' ')}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    with _reading(_store(args), args.name) as ix:
+        report = ix.verify(args.sample)
+    _print(report.to_dict())
+    return 0 if report.ok else 1
+
+
+def cmd_delete(args) -> int:
+    store = _store(args)
+    if args.ids:
+        with store.open(args.name) as ix:
+            change = ix.delete(args.ids)
+        _print({"index": args.name, "outcomes": change.outcomes})
+    else:
+        store.delete(args.name)
+        print(f"deleted index {args.name}")
+    return 0

@@ -1,0 +1,107 @@
+"""Greedy output of our engine equals Hugging Face `generate` on the same weights, token for
+token: 20 prompts × up to 64 new tokens (both stop at EOS), alone and all batched, prefix caching on and off, and
+chunked prefill forced into 32-token chunks.
+
+Where two outputs part, the test proves it is a numerical near-tie: at that step the two
+candidate tokens' logits in the reference are within 1e-3 (fp32 summation order differs
+between a padded-free paged attention and HF's eager path), as vLLM's logprob checks do.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from embedserve.engine.sequence import SamplingParams
+
+from conftest import make_decode_engine
+
+NEW_TOKENS = 64
+TIE = 1e-3
+SYSTEM = ("You are a careful assistant for a retrieval-augmented QA system. Answer only from the "
+          "documents given, cite them by number, and say so when the answer is not there. ") * 3
+PROMPTS = [
+    "The capital of France is", "def quicksort(arr):", "北京是中华人民共和国的首都，", "Once upon a time,",
+    "The three laws of thermodynamics are", "import numpy as np\n\n# compute the mean of", "La tour Eiffel",
+    "Q: What is 17 * 23?\nA:", "A haiku about autumn:\n", "SELECT name FROM users WHERE",
+    "The mitochondria is", "In 1969, Apollo 11", "Translate to German: Good morning ->",
+    "List three prime numbers:", "量子计算是",
+] + [SYSTEM + q for q in ("Question: who wrote Hamlet?", "Question: what is FAISS?",
+                          "Question: how tall is Everest?", "Question: define entropy.",
+                          "Question: what is RAG?")]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    _, tok = smollm2
+    return [tok(p).input_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir, smollm2, prompt_ids):
+    """HF greedy tokens (up to and including EOS) and per-step raw logits, all prompts in one
+    left-padded batch."""
+    _, tok = smollm2
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    eos = hf.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    width = max(map(len, prompt_ids))
+    ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompt_ids])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+    refs = []
+    for i in range(len(prompt_ids)):
+        toks = out.sequences[i, width:].tolist()
+        end = next((t + 1 for t, x in enumerate(toks) if x in eos), len(toks))
+        refs.append((toks[:end], [step[i] for step in out.logits[:end]]))
+    return refs
+
+
+def _check(ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], label: str):
+    for t, (a, b) in enumerate(zip(ours, ref_tokens)):
+        if a != b:
+            gap = abs(float(ref_logits[t][a]) - float(ref_logits[t][b]))
+            assert gap <= TIE, f"{label}: step {t} chose {a}, reference {b}, logit gap {gap:.2e} is no tie"
+            return "tie"
+    assert len(ours) == len(ref_tokens), f"{label}: {len(ours)} tokens vs the reference's {len(ref_tokens)}"
+    return "equal"
+
+
+def _greedy():
+    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+
+
+@pytest.mark.parametrize("mode", ["batched", "batched-no-prefix-cache", "chunked-32", "alone"])
+def test_greedy_equals_hf_generate(mode, smollm2, prompt_ids, reference):
+    kw = {}
+    if mode == "batched-no-prefix-cache":
+        kw["enable_prefix_caching"] = False
+    if mode == "chunked-32":
+        kw["max_num_batched_tokens"] = 32
+    eng = make_decode_engine(smollm2, **kw)
+    if mode == "alone":
+        seqs = [eng.generate([ids], _greedy())[0] for ids in prompt_ids]
+    else:
+        seqs = eng.generate(prompt_ids, _greedy())
+    verdicts = [_check(s.completion_ids, *ref, f"{mode} prompt {i}")
+                for i, (s, ref) in enumerate(zip(seqs, reference))]
+    assert verdicts.count("equal") >= len(verdicts) - 2, verdicts
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks, "blocks leaked"
+    if mode == "batched":
+        assert eng.bm.prefix_hits > 0, "the shared system prompt should hit the prefix cache"
+    if mode == "batched-no-prefix-cache":
+        assert eng.bm.prefix_hits == 0
+
+
+def test_prefix_cache_hit_reuses_blocks_and_is_exact(smollm2, prompt_ids, reference):
+    """The second request with the same long prefix computes only its tail, same tokens out."""
+    eng = make_decode_engine(smollm2)
+    first = eng.generate([prompt_ids[15]], _greedy())[0]
+    second = eng.generate([prompt_ids[16]], _greedy())[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= 16 * ((len(prompt_ids[15]) - 40) // 16)
+    _check(second.completion_ids, *reference[16], "prefix-hit")
