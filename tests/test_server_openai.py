@@ -31,7 +31,8 @@ def server(e5_dir):
     port = _free_port()
     env = dict(os.environ, EMBEDSERVE_THREADS="2")
     proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port),
-                             "--max-batch-tokens", "4096", "--log-level", "warning"],
+                             "--max-batch-tokens", "4096", "--log-level", "warning",
+                             "--kv-cache-memory", "300000000", "--max-model-len", "2048"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
@@ -153,3 +154,50 @@ def test_client_that_goes_away_has_its_inputs_dropped(server):
     assert dropped() > before
     # and the server is still serving
     assert httpx.post(server + "/v1/embeddings", json={"input": "still here"}, timeout=60).status_code == 200
+
+
+GEN = "SmolLM2-135M-Instruct"
+
+
+def _metric(server, name):
+    for line in httpx.get(server + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_sdk_streams_a_chat_completion(sdk):
+    stream = sdk.chat.completions.create(
+        model=GEN, messages=[{"role": "system", "content": "Answer in one short sentence."},
+                             {"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=40, temperature=0, stream=True, stream_options={"include_usage": True})
+    parts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    text = "".join(parts)
+    assert "Paris" in text
+    assert finish in ("stop", "length") and usage.completion_tokens > 0
+    again = sdk.chat.completions.create(
+        model=GEN, messages=[{"role": "system", "content": "Answer in one short sentence."},
+                             {"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=40, temperature=0)
+    assert again.choices[0].message.content == text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0, "the repeated prompt should hit the prefix cache"
+
+
+def test_client_leaving_mid_stream_frees_its_blocks(server):
+    with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                      json={"model": GEN, "prompt": "Write a very long story about a dragon.", "max_tokens": 1500,
+                            "ignore_eos": True, "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 5:
+                break                                   # hang up mid-stream
+    deadline = time.time() + 30
+    while time.time() < deadline and _metric(server, "embedserve_gen_kv_cache_usage") != 0.0:
+        time.sleep(0.2)
+    assert _metric(server, "embedserve_gen_kv_cache_usage") == 0.0
+    assert _metric(server, "embedserve_gen_requests_running") == 0.0

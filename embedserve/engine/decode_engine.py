@@ -206,6 +206,7 @@ class DecodeEngine:
                     return
             self._apply_inbox()
             if not self.scheduler.has_work():
+                self._update_gauges()
                 continue
             try:
                 self.step()
@@ -254,6 +255,10 @@ class DecodeEngine:
                 self._finish(seq, reason, text=text)
             elif text:
                 self._emit(seq, GenerationEvent(text, [tok]))
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
         m.gen_running.set(len(self.scheduler.running))
         m.gen_waiting.set(len(self.scheduler.waiting))
         m.gen_kv_usage.set(self.bm.usage())
