@@ -1,0 +1,306 @@
+"""The doc store: SQLite in WAL mode, the source of truth for text, metadata *and* vectors.
+
+Each write takes the next sequence numbers from `meta.seq`, inside the transaction that
+changes the rows. A document's vectors carry a `label` (the sequence number of the write that
+made them): the id FAISS and the postings know it by. Replacing or deleting a document
+records its old label in `dead` with the sequence number of that change, so an in-memory
+index that has applied every write up to sequence S catches up by removing the labels dead
+after S and adding the rows labelled after S.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from embedserve.errors import ConflictError, ValidationError
+
+logger = logging.getLogger(__name__)
+
+DB_NAME = "docs.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS docs (
+    id INTEGER PRIMARY KEY,
+    ext_id TEXT NOT NULL UNIQUE,
+    text TEXT NOT NULL,
+    metadata TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    label INTEGER NOT NULL UNIQUE,
+    dense BLOB,
+    sparse_ids BLOB,
+    sparse_weights BLOB,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS dead (label INTEGER PRIMARY KEY, at_seq INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS dead_at_seq ON dead (at_seq);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('seq', 0), ('pruned_upto', 0);
+"""
+
+Sparse = tuple[np.ndarray, np.ndarray]      # (token ids, weights)
+
+
+@dataclass(slots=True)
+class Document:
+    """One document as a user sends it."""
+
+    id: str
+    text: str
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Change:
+    """What a committed write did, for the in-memory parts to apply."""
+
+    base: int                       # sequence number before this write
+    seq: int                        # sequence number after it
+    added: list[tuple[int, np.ndarray | None, Sparse | None]] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    outcomes: dict[str, str] = field(default_factory=dict)   # ext id -> added|replaced|metadata|unchanged|deleted|missing
+
+
+def content_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _f32(blob: bytes | None) -> np.ndarray | None:
+    return None if blob is None else np.frombuffer(blob, dtype="<f4")
+
+
+def _sparse(ids: bytes | None, w: bytes | None) -> Sparse | None:
+    if ids is None:
+        return None
+    return np.frombuffer(ids, dtype="<i4").astype(np.int64), np.frombuffer(w, dtype="<f4")
+
+
+def _metadata_json(meta: dict) -> str:
+    return json.dumps(meta, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+class DocStore:
+    """One version's `docs.sqlite`. Not thread-safe on its own: the Index holds a lock."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
+        self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30.0)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        # FULL: a commit is on disk before the write is acknowledged (survives power loss, not just kill -9).
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # ------------------------------------------------------------------ state
+    def _meta(self, key: str) -> int:
+        return int(self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0])
+
+    def seq(self) -> int:
+        """Sequence number of the last committed write."""
+        return self._meta("seq")
+
+    def pruned_upto(self) -> int:
+        """`dead` rows up to this sequence number were dropped (a snapshot holds those removals)."""
+        return self._meta("pruned_upto")
+
+    def counts(self) -> dict[str, int]:
+        n, d, s = self.conn.execute(
+            "SELECT COUNT(*), COUNT(dense), COUNT(sparse_ids) FROM docs").fetchone()
+        return {"documents": n, "dense": d, "sparse": s}
+
+    def hashes(self, ext_ids: list[str]) -> dict[str, tuple[str, str]]:
+        """ext id -> (content hash, metadata JSON) for the ids that exist."""
+        out = {}
+        for chunk in _chunks(ext_ids, 500):
+            q = f"SELECT ext_id, content_hash, metadata FROM docs WHERE ext_id IN ({','.join('?' * len(chunk))})"
+            out.update({r[0]: (r[1], r[2]) for r in self.conn.execute(q, chunk)})
+        return out
+
+    # ----------------------------------------------------------------- writes
+    def upsert(self, docs: list[Document], dense: list[np.ndarray | None],
+               sparse: list[Sparse | None]) -> Change:
+        """Insert or replace documents in one transaction. Same text: no-op (metadata updated
+        if it differs); new text: new vectors under a new label. A doc passed without vectors
+        must be unchanged (callers skip embedding those)."""
+        now = time.time()
+        with self._transaction() as cur:
+            seq = self._meta("seq")
+            change = Change(base=seq, seq=seq)
+            for doc, d, s in zip(docs, dense, sparse):
+                h = content_hash(doc.text)
+                meta = _metadata_json(doc.metadata)
+                row = cur.execute("SELECT label, content_hash, metadata FROM docs WHERE ext_id=?",
+                                  (doc.id,)).fetchone()
+                if row is not None and row[1] == h:
+                    if row[2] != meta:
+                        cur.execute("UPDATE docs SET metadata=?, updated_at=? WHERE ext_id=?", (meta, now, doc.id))
+                    change.outcomes[doc.id] = "metadata" if row[2] != meta else "unchanged"
+                    continue
+                if d is None and s is None:
+                    raise ConflictError(f"document {doc.id!r} changed while it was being embedded; retry the upsert",
+                                        param="documents", code="concurrent_change")
+                seq += 1
+                blobs = (None if d is None else np.asarray(d, "<f4").tobytes(),
+                         None if s is None else np.asarray(s[0], "<i4").tobytes(),
+                         None if s is None else np.asarray(s[1], "<f4").tobytes())
+                if row is None:
+                    cur.execute("INSERT INTO docs (ext_id, text, metadata, content_hash, label, dense, sparse_ids, "
+                                "sparse_weights, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                                (doc.id, doc.text, meta, h, seq, *blobs, now, now))
+                    change.outcomes[doc.id] = "added"
+                else:
+                    cur.execute("INSERT INTO dead VALUES (?, ?)", (row[0], seq))
+                    cur.execute("UPDATE docs SET text=?, metadata=?, content_hash=?, label=?, dense=?, sparse_ids=?, "
+                                "sparse_weights=?, updated_at=? WHERE ext_id=?",
+                                (doc.text, meta, h, seq, *blobs, now, doc.id))
+                    change.removed.append(row[0])
+                    change.outcomes[doc.id] = "replaced"
+                change.added.append((seq, d, s))
+            cur.execute("UPDATE meta SET value=? WHERE key='seq'", (seq,))
+            change.seq = seq
+        return change
+
+    def delete(self, ext_ids: list[str]) -> Change:
+        """Delete documents by external id, in one transaction; unknown ids are reported as missing."""
+        with self._transaction() as cur:
+            seq = self._meta("seq")
+            change = Change(base=seq, seq=seq)
+            for ext_id in ext_ids:
+                row = cur.execute("SELECT label FROM docs WHERE ext_id=?", (ext_id,)).fetchone()
+                if row is None:
+                    change.outcomes[ext_id] = "missing"
+                    continue
+                seq += 1
+                cur.execute("INSERT INTO dead VALUES (?, ?)", (row[0], seq))
+                cur.execute("DELETE FROM docs WHERE ext_id=?", (ext_id,))
+                change.removed.append(row[0])
+                change.outcomes[ext_id] = "deleted"
+            cur.execute("UPDATE meta SET value=? WHERE key='seq'", (seq,))
+            change.seq = seq
+        return change
+
+    def prune_dead(self, upto: int) -> None:
+        """Forget removals a durable snapshot already holds."""
+        with self._transaction() as cur:
+            cur.execute("DELETE FROM dead WHERE at_seq <= ?", (upto,))
+            cur.execute("UPDATE meta SET value=MAX(value, ?) WHERE key='pruned_upto'", (upto,))
+
+    def _transaction(self):
+        return _Transaction(self.conn)
+
+    def reading(self):
+        """A read transaction: every read inside sees one committed state (WAL snapshot)."""
+        return _Transaction(self.conn, "BEGIN DEFERRED")
+
+    # ----------------------------------------------------------------- replay
+    def dead_since(self, seq: int) -> np.ndarray:
+        rows = self.conn.execute("SELECT label FROM dead WHERE at_seq > ?", (seq,)).fetchall()
+        return np.array([r[0] for r in rows], dtype=np.int64)
+
+    def rows_since(self, seq: int, batch: int = 2048) -> Iterator[list[tuple[int, np.ndarray | None, Sparse | None]]]:
+        """Vectors of the documents labelled after `seq`, in label order, in batches."""
+        last = seq
+        while True:
+            rows = self.conn.execute("SELECT label, dense, sparse_ids, sparse_weights FROM docs WHERE label > ? "
+                                     "ORDER BY label LIMIT ?", (last, batch)).fetchall()
+            if not rows:
+                return
+            yield [(r[0], _f32(r[1]), _sparse(r[2], r[3])) for r in rows]
+            last = rows[-1][0]
+
+    def live_labels(self) -> np.ndarray:
+        return np.array([r[0] for r in self.conn.execute("SELECT label FROM docs")], dtype=np.int64)
+
+    # ------------------------------------------------------------------ reads
+    def fetch(self, labels: list[int]) -> dict[int, tuple[str, str, dict]]:
+        """label -> (ext id, text, metadata) for the labels still live."""
+        out = {}
+        for chunk in _chunks([int(x) for x in labels], 500):
+            q = f"SELECT label, ext_id, text, metadata FROM docs WHERE label IN ({','.join('?' * len(chunk))})"
+            out.update({r[0]: (r[1], r[2], json.loads(r[3])) for r in self.conn.execute(q, chunk)})
+        return out
+
+    def dense_for(self, labels: list[int]) -> dict[int, np.ndarray]:
+        out = {}
+        for chunk in _chunks([int(x) for x in labels], 500):
+            q = f"SELECT label, dense FROM docs WHERE dense IS NOT NULL AND label IN ({','.join('?' * len(chunk))})"
+            out.update({r[0]: _f32(r[1]) for r in self.conn.execute(q, chunk)})
+        return out
+
+    def vector_of(self, ext_id: str) -> tuple[int, np.ndarray | None, Sparse | None] | None:
+        row = self.conn.execute("SELECT label, dense, sparse_ids, sparse_weights FROM docs WHERE ext_id=?",
+                                (ext_id,)).fetchone()
+        return None if row is None else (row[0], _f32(row[1]), _sparse(row[2], row[3]))
+
+    def filter_labels(self, flt: dict) -> np.ndarray:
+        """Labels of documents whose metadata matches every key (scalar: equal; list: one of)."""
+        where, params = [], []
+        for key, value in flt.items():
+            if not isinstance(key, str) or not key or any(c in key for c in '"\\'):
+                raise ValidationError(f"filter key {key!r} must be a non-empty string without quotes or "
+                                      "backslashes", param="filter")
+            path = f'$."{key}"'
+            values = value if isinstance(value, list) else [value]
+            if not values:
+                raise ValidationError(f"filter {key!r} lists no values; give at least one", param="filter")
+            parts = []
+            for v in values:
+                if v is None:
+                    parts.append("json_extract(metadata, ?) IS NULL")
+                    params.append(path)
+                elif isinstance(v, (str, int, float, bool)):
+                    parts.append("json_extract(metadata, ?) = ?")
+                    params += [path, v]
+                else:
+                    raise ValidationError(f"filter {key!r}: values are strings, numbers, booleans or null "
+                                          f"(or a list of them), not {type(v).__name__}", param="filter")
+            where.append("(" + " OR ".join(parts) + ")")
+        q = "SELECT label FROM docs" + (" WHERE " + " AND ".join(where) if where else "")
+        return np.array([r[0] for r in self.conn.execute(q, params)], dtype=np.int64)
+
+    def iter_docs(self, batch: int = 1024) -> Iterator[list[tuple]]:
+        """(label, ext_id, text, content_hash, dense, sparse) for every document, in batches (verify)."""
+        last = -1
+        while True:
+            rows = self.conn.execute("SELECT label, ext_id, text, content_hash, dense, sparse_ids, sparse_weights "
+                                     "FROM docs WHERE label > ? ORDER BY label LIMIT ?", (last, batch)).fetchall()
+            if not rows:
+                return
+            yield [(r[0], r[1], r[2], r[3], _f32(r[4]), _sparse(r[5], r[6])) for r in rows]
+            last = rows[-1][0]
+
+    def integrity(self) -> str:
+        return self.conn.execute("PRAGMA quick_check").fetchone()[0]
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE (take the write lock up front: no upgrade deadlocks) ... COMMIT or ROLLBACK."""
+
+    def __init__(self, conn: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE"):
+        self.conn = conn
+        self.begin = begin
+
+    def __enter__(self) -> sqlite3.Cursor:
+        self.conn.execute(self.begin)
+        return self.conn.cursor()
+
+    def __exit__(self, exc_type, exc, tb):
+        self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+        return False
+
+
+def _chunks(items: list, n: int):
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
