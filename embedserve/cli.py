@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
-    from .index_cli import register as register_index; register_index(sub)
+    from .index_cli import register as register_index
+    register_index(sub)
     return p
 
 

@@ -124,3 +124,16 @@ def test_abort_frees_blocks(gen_client):
         time.sleep(0.05)
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
     assert not any(ev.finish_reason for ev in events)
+
+
+def test_generation_overload_is_429_with_retry_after(gen_client):
+    c, eng = gen_client
+    saved = eng._num_active
+    eng._num_active = 4 * eng.config.max_num_seqs          # as if that many were in flight
+    try:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        e = _err(r, 429)
+        assert int(r.headers["Retry-After"]) >= 1 and "--max-num-seqs" in e["message"]
+    finally:
+        eng._num_active = saved
+    assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200

