@@ -7,7 +7,6 @@ are told to, the manifest check refuses it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os

@@ -118,13 +118,14 @@ def decode_memory_plan(model_dir: Path, config: ServerConfig, embed_bytes: int =
     weights = model_weight_bytes(model_dir, bpe)
     T = config.max_num_batched_tokens
     activations = T * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + config.max_num_seqs * cfg.vocab_size * 4 * 2
-    free = available_memory(config.device) - embed_bytes - weights - activations
+    available = available_memory(config.device)
+    free = available - embed_bytes - weights - activations
     if config.kv_cache_memory:
         budget = config.kv_cache_memory
     elif config.memory_utilization:
-        budget = int(available_memory(config.device) * config.memory_utilization) - weights - activations
+        budget = int(available * config.memory_utilization) - weights - activations
     else:
-        budget = min(2 << 30, int(0.1 * available_memory(config.device)))
+        budget = min(2 << 30, int(0.1 * available))
     per_token = cfg.kv_bytes_per_token(kv_bpe)
     blocks = budget // (config.block_size * per_token)
     plan = KVCachePlan(dtype=dtype, weights=weights, kv_budget=budget, kv_bytes_per_token=per_token,

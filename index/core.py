@@ -23,7 +23,7 @@ from embedserve.errors import ConflictError, ValidationError
 from . import search as search_mod
 from .dense import DenseIndex
 from .docstore import DB_NAME, Change, DocStore, Document, Sparse, content_hash
-from .fsutil import clean_temp, sha256_file
+from embedserve.fsutil import clean_temp, sha256_file
 from .manifest import IndexCorruptError, Manifest, ModelIdentity
 from .sparse import SparseIndex
 

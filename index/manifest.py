@@ -16,7 +16,7 @@ from pathlib import Path
 
 from embedserve.errors import ConflictError, EmbedServeError, ValidationError
 
-from .fsutil import atomic_write
+from embedserve.fsutil import atomic_write
 
 logger = logging.getLogger(__name__)
 

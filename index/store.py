@@ -22,7 +22,7 @@ from embedserve.errors import ConflictError, NotFoundError, ValidationError
 
 from .core import Index
 from .docstore import DB_NAME, DocStore
-from .fsutil import TMP_PREFIX, atomic_write, clean_temp, fsync_dir, temp_path
+from embedserve.fsutil import TMP_PREFIX, atomic_write, clean_temp, fsync_dir, temp_path
 from .manifest import MANIFEST, DenseConfig, Manifest, ModelIdentity
 
 logger = logging.getLogger(__name__)

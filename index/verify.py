@@ -16,7 +16,7 @@ import numpy as np
 
 from .core import NORM_TOLERANCE, Index
 from .docstore import content_hash
-from .fsutil import sha256_file
+from embedserve.fsutil import sha256_file
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from embedserve.fsutil import locked
 from embedserve.models import convert_e5
 from embedserve.models.convert_e5 import (
     REQUIRED_FILES,
@@ -333,7 +334,7 @@ class _CShim:
 def c_shim(tmp_path_factory) -> _CShim:
     gcc = shutil.which("gcc")
     if gcc is None:
-        pytest.skip("gcc not found: cannot compile the e5.c tokenizer shim")
+        pytest.fail("gcc not found: the token-id check compiles an e5.c shim; install gcc")
     d = tmp_path_factory.mktemp("shim")
     (d / "shim.c").write_text(_SHIM)
     so = d / "shim.so"
@@ -631,7 +632,7 @@ def test_waits_for_lock_then_reuses_other_process_result(tmp_path, converted):
         except BaseException as e:  # surfaced by the assertion below
             result["error"] = e
 
-    with convert_e5._locked(out):  # stands in for another process mid-conversion
+    with locked(out):  # stands in for another process mid-conversion
         th = threading.Thread(target=run)
         th.start()
         time.sleep(0.5)

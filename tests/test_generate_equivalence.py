@@ -7,8 +7,6 @@ candidate tokens' logits in the reference are within 1e-3 (fp32 summation order 
 between a padded-free paged attention and HF's eager path), as vLLM's logprob checks do.
 """
 
-import copy
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM

@@ -172,8 +172,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errs:
         return "invalid request", None
     e = errs[0]
-    if e.get("type") == "json_invalid":
-        return f"request body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')})", None
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     where = f"`{param}`: " if param else ""

@@ -107,14 +107,14 @@ def build_router(state) -> APIRouter:
                                 f"generates with {gen.name!r} (GET /v1/models)", param="model")
         return gen
 
-    async def run(request: Request, gen: Generator, prompt_ids: list[int], params: SamplingParams,
-                  kind: str):
+    async def run(request: Request, gen: Generator, body: _Common, prompt_ids: list[int],
+                  params: SamplingParams, kind: str):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
         seq_id = gen.engine.add(prompt_ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        body_opts = getattr(request.state, "stream_options", None) or {}
+        stream_opts = body.stream_options or {}
 
         def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
             if kind == "chat":
@@ -125,7 +125,7 @@ def build_router(state) -> APIRouter:
             return {"id": rid, "object": "text_completion", "created": created, "model": gen.name,
                     "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
 
-        if request.state.stream:
+        if body.stream:
             async def sse():
                 finished = False
                 try:
@@ -137,7 +137,7 @@ def build_router(state) -> APIRouter:
                             yield f"data: {json.dumps(chunk(ev.text, ev.finish_reason))}\n\n"
                         if ev.finish_reason:
                             finished = True
-                            if body_opts.get("include_usage"):
+                            if stream_opts.get("include_usage"):
                                 c = chunk(None, None)
                                 c["choices"] = []
                                 c["usage"] = _usage(ev)
@@ -201,8 +201,7 @@ def build_router(state) -> APIRouter:
             if bad is not None:
                 raise ValidationError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             ids = list(body.prompt)
-        request.state.stream, request.state.stream_options = body.stream, body.stream_options
-        return await run(request, gen, ids, _params(body, 16), "completion")
+        return await run(request, gen, body, ids, _params(body, 16), "completion")
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -215,8 +214,7 @@ def build_router(state) -> APIRouter:
             return list(out["input_ids"] if hasattr(out, "keys") else out)
 
         ids = await run_in_threadpool(encode)
-        request.state.stream, request.state.stream_options = body.stream, body.stream_options
         max_default = gen.engine.config.max_model_len - len(ids)
-        return await run(request, gen, ids, _params(body, max(1, min(max_default, 512))), "chat")
+        return await run(request, gen, body, ids, _params(body, max(1, min(max_default, 512))), "chat")
 
     return router

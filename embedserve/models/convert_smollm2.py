@@ -3,29 +3,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from ..config import embedserve_home
+from ..fsutil import install_dir
 from .registry import package_dir
 
 logger = logging.getLogger(__name__)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
 
 
 def convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> Path:
@@ -34,9 +23,8 @@ def convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=out_dir.parent))
-    try:
+    def build(tmp: Path) -> None:
+        logger.info("converting %s to %s (once)", src_dir / gguf_file, out_dir)
         tok = AutoTokenizer.from_pretrained(str(src_dir), gguf_file=gguf_file)
         model = AutoModelForCausalLM.from_pretrained(str(src_dir), gguf_file=gguf_file, dtype=torch.float32)
         cfg = model.config.to_dict()
@@ -50,12 +38,8 @@ def convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> Path:
         tok.save_pretrained(str(tmp))
         if model.generation_config is not None:
             model.generation_config.save_pretrained(str(tmp))
-        _fsync_tree(tmp)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return install_dir(out_dir, lambda d: (d / "config.json").is_file(), build)
 
 
 def ensure_smollm2(home: Path | None = None) -> Path:
@@ -67,17 +51,5 @@ def ensure_smollm2(home: Path | None = None) -> Path:
     with open(gguf, "rb") as f:
         h.update(f.read(1 << 20))                   # the header and first tensors identify it
     h.update(str(gguf.stat().st_size).encode())
-    models = Path(home or embedserve_home()) / "models"
-    out = models / f"SmolLM2-135M-Instruct-{h.hexdigest()[:12]}"
-    if (out / "config.json").exists():
-        return out
-    models.mkdir(parents=True, exist_ok=True)
-    with open(models / ".smollm2.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out / "config.json").exists():
-            return out
-        for stray in models.glob(".tmp-smollm2-*"):
-            with contextlib.suppress(OSError):
-                shutil.rmtree(stray)
-        logger.info("converting %s to %s (once)", gguf, out)
-        return convert_gguf(src, GGUF_NAME, out)
+    out = Path(home or embedserve_home()) / "models" / f"SmolLM2-135M-Instruct-{h.hexdigest()[:12]}"
+    return convert_gguf(src, GGUF_NAME, out)

@@ -83,7 +83,7 @@ def fast_bf16_available(device: torch.device) -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def read_conventions(path: Path, model_type: str) -> dict:
+def read_conventions(path: Path) -> dict:
     """Pooling, normalization and prefixes from `embedserve_model.json`, else from a
     sentence-transformers layout, else BGE-M3's (CLS) when its heads are present."""
     own = path / "embedserve_model.json"
@@ -135,7 +135,7 @@ class EmbeddingModel:
             raise FileNotFoundError(f"{self.path} is not a Hugging Face model directory (no config.json)")
         self.device = torch.device(device)
         self.cfg = EncoderConfig.from_dir(self.path)
-        conv = read_conventions(self.path, self.cfg.model_type)
+        conv = read_conventions(self.path)
         self.pooling = conv.get("pooling", "mean")
         self.normalize = bool(conv.get("normalize", True))
         self.prefixes = {"query": conv.get("query_prefix", ""), "passage": conv.get("passage_prefix", "")}
@@ -208,8 +208,8 @@ class EmbeddingModel:
     def bf16_agreement(self, texts: list[str] | None = None) -> float:
         """Minimum cosine between bf16 and fp32 dense embeddings of `texts` (probe set by default)."""
         ids = self.tokenize(texts or _PROBE_TEXTS)
-        ref = np.stack([o.dense for o in self._embed_with(Encoder.from_dir(self.path, torch.float32, self.device), ids, {"dense"})])
-        low = np.stack([o.dense for o in self._embed_with(Encoder.from_dir(self.path, torch.bfloat16, self.device), ids, {"dense"})])
+        ref = np.stack([o.dense for o in self._embed_with(Encoder.from_dir(self.path, torch.float32, self.device), ids, {"dense"})[0]])
+        low = np.stack([o.dense for o in self._embed_with(Encoder.from_dir(self.path, torch.bfloat16, self.device), ids, {"dense"})[0]])
         cos = (ref * low).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(low, axis=1))
         return float(cos.min())
 
@@ -236,10 +236,10 @@ class EmbeddingModel:
     def embed(self, batch: list[list[int]], want: set[str]) -> tuple[list[EmbedOutput], int]:
         """Embed token-id lists; returns outputs in input order and the computed token count
         (real tokens plus attention padding) for the padding-efficiency metric."""
-        return self._embed_with(self.encoder, batch, want, with_computed=True)
+        return self._embed_with(self.encoder, batch, want)
 
-    def _embed_with(self, encoder: Encoder, batch: list[list[int]], want: set[str],
-                    with_computed: bool = False):
+    def _embed_with(self, encoder: Encoder, batch: list[list[int]], want: set[str]
+                    ) -> tuple[list[EmbedOutput], int]:
         order = sorted(range(len(batch)), key=lambda i: -len(batch[i]))
         lengths = [len(batch[i]) for i in order]
         plan = AttentionPlan.build(lengths)
@@ -265,9 +265,7 @@ class EmbeddingModel:
             for k, i in enumerate(order):
                 s, L = starts[k], lengths[k]
                 outs[i].colbert = c[s + 1:s + L]
-        if with_computed:
-            return outs, plan.computed_tokens
-        return outs
+        return outs, plan.computed_tokens
 
     def _pool(self, h: torch.Tensor, lengths: list[int], starts: np.ndarray) -> torch.Tensor:
         if self.pooling == "cls":

@@ -41,16 +41,21 @@ def canonical_name(name: str) -> str:
     return name.split("/")[-1]
 
 
-def resolve_model(model: str) -> tuple[str, Path]:
-    """Return (served name, local directory) for `model`; raises FileNotFoundError with the fix."""
-    if model in BUNDLED:
-        return canonical_name(model), BUNDLED[model]()
+def _resolve(model: str, bundled: dict, not_found: str) -> tuple[str, Path]:
+    """(served name, local directory): a bundled name, else a local HF directory."""
+    if model in bundled:
+        return canonical_name(model), bundled[model]()
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return path.resolve().name, path.resolve()
-    raise FileNotFoundError(
-        f"--model {model!r} is neither a bundled model ({', '.join(sorted(set(map(canonical_name, BUNDLED))))}) "
-        "nor a local Hugging Face directory with a config.json; no model hub is contacted")
+    names = ", ".join(sorted(set(map(canonical_name, bundled))))
+    raise FileNotFoundError(not_found.format(model=model, names=names))
+
+
+def resolve_model(model: str) -> tuple[str, Path]:
+    """Return (served name, local directory) for `model`; raises FileNotFoundError with the fix."""
+    return _resolve(model, BUNDLED, "--model {model!r} is neither a bundled model ({names}) nor a local "
+                    "Hugging Face directory with a config.json; no model hub is contacted")
 
 
 def _smollm2_dir() -> Path:
@@ -66,11 +71,5 @@ GENERATE_BUNDLED = {
 
 def resolve_generate_model(model: str) -> tuple[str, Path]:
     """(served name, local directory) of the decoder; FileNotFoundError says what to fix."""
-    if model in GENERATE_BUNDLED:
-        return canonical_name(model), GENERATE_BUNDLED[model]()
-    path = Path(model).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
-        return path.resolve().name, path.resolve()
-    raise FileNotFoundError(
-        f"--generate-model {model!r} is neither a bundled decoder ({', '.join(sorted(set(map(canonical_name, GENERATE_BUNDLED))))}) "
-        "nor a local Hugging Face Llama-family directory; pass `none` to serve embeddings only")
+    return _resolve(model, GENERATE_BUNDLED, "--generate-model {model!r} is neither a bundled decoder ({names}) "
+                    "nor a local Hugging Face Llama-family directory; pass `none` to serve embeddings only")
