@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python -m embedserve.bench.embed_bench --out bench-results/embed.json
+	$(BIN)/python -m embedserve.bench.embed_bench --out embedserve/bench/results/embed.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

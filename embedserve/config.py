@@ -5,11 +5,12 @@ start-up with the reason and the flag to change."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
-from .models.registry import DEFAULT_MODEL
+
+DEFAULT_MODEL = "multilingual-e5-small"
+DEFAULT_GENERATE_MODEL = "SmolLM2-135M-Instruct"
 
 
 @dataclass(slots=True)
@@ -20,7 +21,7 @@ class ServerConfig:
     served_model_name: str | None = field(default=None, metadata={"help": "name clients send as `model` (default: the model's name)"})
     host: str = field(default="127.0.0.1", metadata={"help": "bind address (loopback unless told otherwise)"})
     port: int = field(default=8000, metadata={"help": "TCP port"})
-    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 (auto: bf16 only where it is fast and accurate)"})
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | int8 (int8: the encoder's linear layers, if accurate; auto: the fastest precision that passes its accuracy probe on this machine, see embedserve.precision)"})
     device: str = field(default="cpu", metadata={"help": "cpu | cuda"})
     max_batch_tokens: int | None = field(default=None, metadata={"help": "token budget of one model batch (default 4096 on a CPU, where larger batches fall out of cache, 16384 on a GPU)"})
     max_batch_size: int = field(default=256, metadata={"help": "most inputs in one model batch"})
@@ -31,7 +32,7 @@ class ServerConfig:
     max_body_bytes: int = field(default=2 * 1024 * 1024, metadata={"help": "largest request body; more gets 413"})
     api_key: str | None = field(default=None, metadata={"help": "require `Authorization: Bearer KEY` (all routes but /health, /ready)"})
     # generation (RAG answer step)
-    generate_model: str = field(default="SmolLM2-135M-Instruct", metadata={"help": "bundled decoder name, local HF Llama directory, or none"})
+    generate_model: str = field(default=DEFAULT_GENERATE_MODEL, metadata={"help": "bundled decoder name, local HF Llama directory, or none"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     kv_cache_memory: int | None = field(default=None, metadata={"help": "bytes for the KV cache (default: --memory-utilization, else min(2 GiB, 10%% of free RAM) on a CPU)"})
     memory_utilization: float | None = field(default=None, metadata={"help": "fraction of free RAM (GPU memory on a GPU) for the KV cache"})
@@ -56,8 +57,8 @@ class ServerConfig:
             raise ConfigError(f"--memory-utilization {self.memory_utilization} must be a fraction in (0, 1)")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
-        if self.dtype not in ("auto", "float32", "bfloat16", "fp32", "bf16"):
-            raise ConfigError(f"--dtype {self.dtype!r}: choose auto, float32 or bfloat16")
+        if self.dtype not in ("auto", "float32", "bfloat16", "int8", "fp32", "bf16"):
+            raise ConfigError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or int8")
         for name in ("max_batch_tokens", "max_batch_size", "max_client_batch_size", "max_queued_tokens",
                      "max_concurrent_requests", "max_body_bytes"):
             if getattr(self, name) < 1:
@@ -79,11 +80,6 @@ class ServerConfig:
                               f"{self.max_batch_tokens}: a longest input could never be batched; raise "
                               f"--max-batch-tokens to at least {limit} or lower --max-input-length")
         return limit
-
-
-def embedserve_home() -> Path:
-    """$EMBEDSERVE_HOME, default ~/.cache/embedserve: converted models, indexes."""
-    return Path(os.environ.get("EMBEDSERVE_HOME") or Path.home() / ".cache" / "embedserve")
 
 
 def env_default(name: str, default):

@@ -1,32 +1,18 @@
-"""One typed error hierarchy for everything a user can cause; the HTTP layer maps it to
-status codes in one place (`status_for`)."""
+"""One typed error hierarchy for everything a user can cause. Each kind says what went wrong;
+the HTTP layer maps kinds to status codes in one place (`embedserve.api.errors.status_for`),
+together with the index library's own errors (`index.errors`)."""
 
 from __future__ import annotations
 
+from index.errors import DescribedError
 
-class EmbedServeError(Exception):
-    """Base class: `message` says what to change, `param` names the offending field."""
 
-    status_code = 500
-    error_type = "server_error"
-    code: str | None = None
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        if code is not None:
-            self.code = code
-
-    def to_envelope(self) -> dict:
-        """OpenAI's error envelope."""
-        return {"error": {"message": self.message, "type": self.error_type,
-                          "param": self.param, "code": self.code}}
+class EmbedServeError(DescribedError):
+    """Base class of the service's errors (message, param and code as in `DescribedError`)."""
 
 
 class ValidationError(EmbedServeError):
-    status_code = 400
-    error_type = "invalid_request_error"
+    """The request is malformed or asks for something impossible."""
 
 
 class UnsupportedError(ValidationError):
@@ -36,49 +22,41 @@ class UnsupportedError(ValidationError):
 
 
 class AuthenticationError(EmbedServeError):
-    status_code = 401
-    error_type = "authentication_error"
     code = "invalid_api_key"
 
 
 class NotFoundError(EmbedServeError):
-    status_code = 404
-    error_type = "not_found_error"
     code = "model_not_found"
 
 
-class ConflictError(EmbedServeError):
-    """A write that would mix vectors of two models (manifest mismatch)."""
-
-    status_code = 409
-    error_type = "conflict_error"
-    code = "manifest_mismatch"
+class MethodNotAllowedError(EmbedServeError):
+    code = "method_not_allowed"
 
 
 class PayloadTooLargeError(EmbedServeError):
-    status_code = 413
-    error_type = "invalid_request_error"
     code = "payload_too_large"
 
 
-class OverloadedError(EmbedServeError):
-    status_code = 429
-    error_type = "rate_limit_error"
+class _RetryLater(EmbedServeError):
+    """An error after which the same request may succeed; `retry_after` in whole seconds."""
+
+    def __init__(self, message: str, *, retry_after: float, **kw):
+        super().__init__(message, **kw)
+        self.retry_after = max(1, int(round(retry_after)))
+
+
+class OverloadedError(_RetryLater):
     code = "overloaded"
 
     def __init__(self, message: str, *, retry_after: float = 1.0, **kw):
-        super().__init__(message, **kw)
-        self.retry_after = max(1, int(round(retry_after)))
+        super().__init__(message, retry_after=retry_after, **kw)
 
 
-class UnavailableError(EmbedServeError):
-    status_code = 503
-    error_type = "service_unavailable"
+class UnavailableError(_RetryLater):
     code = "unavailable"
 
     def __init__(self, message: str, *, retry_after: float = 5.0, **kw):
-        super().__init__(message, **kw)
-        self.retry_after = max(1, int(round(retry_after)))
+        super().__init__(message, retry_after=retry_after, **kw)
 
 
 class ConfigError(Exception):

@@ -1,6 +1,6 @@
 """Index benchmark: search latency, memory and recall for N random unit vectors.
 
-    python -m index.bench --out bench-results/index.json       # 100k x 384, ~3-5 min on 2 cores
+    python -m index.bench --out index/bench-results/index.json       # 100k x 384, ~3-5 min on 2 cores
 
 Exact (IndexFlatIP in an id map) against HNSW at several efSearch values: single-query
 latency p50/p99 at the index's default FAISS thread count, index size, RSS growth, and
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hnsw-m", type=int, default=32)
     p.add_argument("--ef-construction", type=int, default=200)
     p.add_argument("--ef-search", default="32,64,128,256")
-    p.add_argument("--out", type=Path, default=Path("bench-results/index.json"))
+    p.add_argument("--out", type=Path, default=Path("index/bench-results/index.json"))
     p.add_argument("--skip-end-to-end", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

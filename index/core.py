@@ -9,22 +9,19 @@ there. A kill at any moment therefore loses nothing acknowledged.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from embedserve.errors import ConflictError, ValidationError
-
 from . import search as search_mod
 from .dense import DenseIndex
 from .docstore import DB_NAME, Change, DocStore, Document, Sparse, content_hash
-from embedserve.fsutil import clean_temp, sha256_file
-from .manifest import IndexCorruptError, Manifest, ModelIdentity
+from .durable import clean_temp, file_lock, sha256_file
+from .errors import ConflictError, IndexCorruptError, ValidationError
+from .manifest import Manifest, ModelIdentity
 from .sparse import SparseIndex
 
 logger = logging.getLogger(__name__)
@@ -48,7 +45,7 @@ class Index:
         self.verify_checksums = verify_checksums
         self._lock = threading.RLock()
         self._closed = False
-        with _file_lock(self.path / ".lock"):     # snapshot writers hold it while their temp files exist
+        with file_lock(self.path / ".lock"):     # snapshot writers hold it while their temp files exist
             clean_temp(self.path)
         self.manifest = Manifest.load(self.path)
         if identity is not None:
@@ -64,6 +61,11 @@ class Index:
     def version(self) -> str:
         return self.manifest.version
 
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by every read and write of this object; hold it to see one consistent state."""
+        return self._lock
+
     # ------------------------------------------------------------ open/replay
     def _load(self) -> None:
         """Load the manifest's snapshots (or start empty), then replay the doc store."""
@@ -77,7 +79,7 @@ class Index:
                 logger.warning("index %s/%s: snapshot unusable (%s); rebuilding from the doc store",
                                m.index, m.version, exc)
         self.snapshot_seq = self.applied
-        self._catch_up()
+        self.catch_up()
         self.dense.mark_stale_except(self.docs.live_labels())
         db = self.docs.counts()
         if self.dense.live != db["dense"] or len(self.sparse) != db["sparse"]:
@@ -98,7 +100,7 @@ class Index:
         return (DenseIndex.load(paths["dense"], m.dimension, m.dense_config),
                 SparseIndex.load(paths["sparse"], m.sparse))
 
-    def _catch_up(self) -> None:
+    def catch_up(self) -> None:
         """Apply every write committed after `applied` (ours or another process's)."""
         seq = self.docs.seq()
         if seq == self.applied:
@@ -140,7 +142,7 @@ class Index:
         """Apply our own committed write; fall back to a replay if someone else wrote in between."""
         try:
             if change.base != self.applied:
-                self._catch_up()
+                self.catch_up()
                 return
             self._remove(change.removed)
             self._add(change.added)
@@ -155,7 +157,7 @@ class Index:
         with self._lock:
             m = self.manifest
             self.dense, self.sparse, self.applied = DenseIndex(m.dimension, m.dense_config), SparseIndex(m.sparse), 0
-            self._catch_up()
+            self.catch_up()
 
     # ----------------------------------------------------------------- writes
     def pending(self, docs: list[Document]) -> list[bool]:
@@ -221,7 +223,7 @@ class Index:
             if query.dense is not None and np.asarray(query.dense).shape != (self.manifest.dimension,):
                 raise ConflictError(f"dimension mismatch: the index has {self.manifest.dimension}, the query "
                                     f"vector has {np.asarray(query.dense).shape}", param="dimension")
-            self._catch_up()
+            self.catch_up()
             return search_mod.run(query, self.dense, self.sparse, self.docs)
 
     # -------------------------------------------------------------- snapshots
@@ -237,8 +239,8 @@ class Index:
     def snapshot(self) -> bool:
         """Write FAISS + postings under new names, then commit them by replacing the manifest.
         Returns False when the files on disk already hold every write."""
-        with self._lock, _file_lock(self.path / ".lock"):
-            self._catch_up()
+        with self._lock, file_lock(self.path / ".lock"):
+            self.catch_up()
             on_disk = Manifest.load(self.path)
             if on_disk.files and on_disk.applied_seq >= self.applied:
                 self.snapshot_seq = self.applied
@@ -276,18 +278,12 @@ class Index:
     def describe(self) -> dict:
         """Manifest plus live counts (what `GET /v1/indexes/{name}` returns)."""
         with self._lock:
-            self._catch_up()
+            self.catch_up()
             info = json.loads(self.manifest.to_json())
             info["live_counts"] = self.counts()
             info["sequence"] = self.applied
             info["stale_dense"] = len(self.dense.stale)
             return info
-
-    def verify(self, sample: int = 200):
-        """Consistency and quality report (see index.verify)."""
-        from .verify import verify_index
-        with self._lock:
-            return verify_index(self, sample)
 
     def close(self, snapshot: bool = True) -> None:
         """Snapshot what the files do not hold yet (unless told not to), then close the doc store."""
@@ -308,17 +304,6 @@ class Index:
 
     def __exit__(self, *exc):
         self.close()
-
-
-@contextmanager
-def _file_lock(path: Path):
-    """One snapshot writer at a time across processes."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def validate_documents(docs: list[Document]) -> None:

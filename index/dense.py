@@ -15,7 +15,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from embedserve.fsutil import atomic_write_with
+from .durable import atomic_write_with
 from .manifest import DenseConfig
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from embedserve.errors import ConflictError, ValidationError
+from .errors import ConflictError, ValidationError
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from embedserve.errors import ConflictError, EmbedServeError, ValidationError
+from .durable import atomic_write
+from .errors import ConflictError, IndexCorruptError, ValidationError
 
-from embedserve.fsutil import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -24,14 +24,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 METRIC = "ip"
 DENSE_KINDS = ("flat", "hnsw")
-
-
-class IndexCorruptError(EmbedServeError):
-    """An index's files are unreadable or inconsistent in a way replay cannot repair."""
-
-    status_code = 500
-    error_type = "server_error"
-    code = "index_corrupt"
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,7 +43,7 @@ class ModelIdentity:
 
     @classmethod
     def from_spec(cls, spec) -> "ModelIdentity":
-        """From `embedserve.models.embedding_model.ModelSpec` (or anything with its fields)."""
+        """From a model's spec: anything with `name`, `fingerprint`, `dim`, `normalize`, `pooling`, the prefixes and `has_sparse` / `has_colbert`."""
         return cls(model=spec.name, fingerprint=spec.fingerprint, dimension=int(spec.dim),
                    normalize=bool(spec.normalize), pooling=spec.pooling, query_prefix=spec.query_prefix,
                    passage_prefix=spec.passage_prefix, has_sparse=bool(spec.has_sparse),
@@ -145,8 +137,8 @@ class Manifest:
                 raise ConflictError(
                     f"cannot {action} index {self.index!r} (version {self.version}) with model "
                     f"{identity.model!r}: {label} mismatch: the index has {have!r}, the model has {want!r}; "
-                    "use the model the index was built with, or build a new version with this model "
-                    "(embedserve reindex)", param=label, code="manifest_mismatch")
+                    "use the model the index was built with, or re-embed its documents into a new "
+                    "version with this model (a reindex migration)", param=label, code="manifest_mismatch")
 
     # ------------------------------------------------------------------ files
     def to_json(self) -> bytes:
@@ -169,8 +161,8 @@ class Manifest:
             raise IndexCorruptError(f"{path} is unreadable ({exc})") from None
         fmt = raw.get("format_version")
         if fmt != FORMAT_VERSION:
-            raise ConflictError(f"{path}: format_version mismatch: the index has {fmt!r}, this embedserve "
-                                f"reads {FORMAT_VERSION}; use a matching embedserve release",
+            raise ConflictError(f"{path}: format_version mismatch: the index has {fmt!r}, this library "
+                                f"reads {FORMAT_VERSION}; use a matching release",
                                 param="format_version", code="manifest_mismatch")
         known = {f.name for f in fields(cls)}
         missing = sorted(known - set(raw) - {"files", "counts", "dense_index", "applied_seq",

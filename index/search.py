@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from embedserve.errors import ValidationError
-
 from .dense import DenseIndex
 from .docstore import DocStore, Sparse
+from .errors import ValidationError
 from .sparse import SparseIndex
 
 logger = logging.getLogger(__name__)
@@ -73,6 +72,11 @@ class Hit:
     metadata: dict
     scores: dict[str, float] = field(default_factory=dict)
     label: int = -1
+
+    def to_dict(self) -> dict:
+        """The hit as an API or the CLI shows it (the internal label left out)."""
+        return {"id": self.id, "score": self.score, "text": self.text, "metadata": self.metadata,
+                "scores": self.scores}
 
 
 def run(query: Query, dense: DenseIndex, sparse: SparseIndex, docs: DocStore) -> list[Hit]:

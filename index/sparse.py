@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embedserve.fsutil import atomic_write_with
+from .durable import atomic_write_with
 
 logger = logging.getLogger(__name__)
 

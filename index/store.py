@@ -18,11 +18,11 @@ import re
 import shutil
 from pathlib import Path
 
-from embedserve.errors import ConflictError, NotFoundError, ValidationError
+from .errors import ConflictError, NotFoundError, ValidationError
 
 from .core import Index
 from .docstore import DB_NAME, DocStore
-from embedserve.fsutil import TMP_PREFIX, atomic_write, clean_temp, fsync_dir, temp_path
+from .durable import TMP_PREFIX, atomic_write, clean_temp, fsync_dir, temp_path
 from .manifest import MANIFEST, DenseConfig, Manifest, ModelIdentity
 
 logger = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ class IndexStore:
         try:
             raw = path.read_text().strip()
         except (FileNotFoundError, NotADirectoryError):
-            raise NotFoundError(f"index {name!r} does not exist; list them with GET /v1/indexes or "
-                                "`embedserve index list`", param="name", code="index_not_found") from None
+            raise NotFoundError(f"index {name!r} does not exist; create it first, or list the indexes "
+                                "there are", param="name", code="index_not_found") from None
         return check_version(raw)
 
     def versions(self, name: str) -> list[str]:

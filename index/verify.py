@@ -16,7 +16,7 @@ import numpy as np
 
 from .core import NORM_TOLERANCE, Index
 from .docstore import content_hash
-from embedserve.fsutil import sha256_file
+from .durable import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,16 @@ class VerifyReport:
 
 
 def verify_index(ix: Index, sample: int = 200, seed: int = 0) -> VerifyReport:
-    """Check `ix` (the caller holds its lock)."""
+    """Check `ix` (under its lock: writes wait until the report is done)."""
+    with ix.lock:
+        return _verify(ix, sample, seed)
+
+
+def _verify(ix: Index, sample: int, seed: int) -> VerifyReport:
     t0 = time.perf_counter()
     m = ix.manifest
     rep = VerifyReport(m.index, m.version)
-    ix._catch_up()
+    ix.catch_up()
     quick = ix.docs.integrity()
     if quick != "ok":
         rep.problem(f"SQLite integrity check: {quick}")

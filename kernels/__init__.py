@@ -1,4 +1,6 @@
-"""Triton kernels for the paged KV cache, each beside a plain-torch reference (see DESIGN.md)."""
+"""Triton kernels for the paged KV cache (`triton_attention`, `store_kv`), each beside the plain-torch
+reference that defines it (`reference`); `attention_backend()` picks one. The cache layout is
+drawn in `reference.py`."""
 
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def _load(name: str) -> AttentionBackend:
         from . import reference as impl
         store = impl.store_kv
     else:
-        from . import paged_attention as impl
+        from . import triton_attention as impl
         from .store_kv import store_kv as store
         if not torch.cuda.is_available():
             logger.warning("triton attention backend without a CUDA GPU: the kernels run in Triton's "

@@ -1,6 +1,6 @@
 """Check the Triton paged-KV kernels against the reference on this device, then time decode.
 
-    python -m kernels.bench [--out bench-results/kernels.json]    # a GPU: checks + timing table
+    python -m kernels.bench [--out kernels/bench-results/kernels.json]    # a GPU: checks + timing table
     python -m kernels.bench --smoke                               # tiny shapes (automatic without a GPU)
 
 1. Checks: store_kv, decode (with and without split-K) and prefill against kernels.reference
@@ -41,7 +41,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}   # as in
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("bench-results/kernels.json"), help="JSON results")
+    p.add_argument("--out", type=Path, default=Path("kernels/bench-results/kernels.json"), help="JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (the default without a GPU)")
     p.add_argument("--heads", type=int, default=32, help="query heads (default: Llama-3-8B's 32)")
     p.add_argument("--kv-heads", type=int, default=8)
@@ -78,7 +78,7 @@ def _rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 def run_checks(device: torch.device, smoke: bool) -> list[dict]:
     """Every kernel against its reference on this device; one record per check."""
-    from . import paged_attention as pa
+    from . import triton_attention as pa
     from . import reference as ref
     from .store_kv import store_kv
 
@@ -189,7 +189,7 @@ def _graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], obj
 
 def time_decode(args: argparse.Namespace, device: torch.device, smoke: bool, timer: _Timer,
                 copy_bps: float) -> list[dict]:
-    from . import paged_attention as pa
+    from . import triton_attention as pa
     from . import reference as ref
 
     dtype = getattr(torch, args.dtype)

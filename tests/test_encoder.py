@@ -1,5 +1,5 @@
 """Our encoder equals Hugging Face transformers' own model on the two real bundled models,
-embeds an input the same alone and inside a mixed-length batch, and bf16 stays close."""
+embeds an input the same alone and inside a mixed-length batch (precisions: test_precision.py)."""
 
 import numpy as np
 import pytest
@@ -51,29 +51,6 @@ def test_same_embedding_alone_and_in_mixed_batch(which, request):
         # and in a different batch order / company
         other, _ = model.embed([ids[-1], x, ids[0]], {"dense"})
         assert float(other[1].dense @ batch[i].dense) >= 0.9999
-
-
-@pytest.mark.parametrize("which", ["e5", "minilm"])
-def test_bf16_within_0999_of_fp32(which, request):
-    model = request.getfixturevalue(f"{which}_model")
-    assert model.bf16_agreement(TEXTS_EN_ZH_FR) >= 0.999
-
-
-def test_dtype_auto_follows_hardware(minilm_dir, monkeypatch):
-    monkeypatch.setattr(em, "fast_bf16_available", lambda device: False)
-    assert em.EmbeddingModel(minilm_dir, dtype="auto").spec.dtype == "float32"
-    monkeypatch.setattr(em, "fast_bf16_available", lambda device: True)
-    m = em.EmbeddingModel(minilm_dir, dtype="auto")
-    assert m.spec.dtype == "bfloat16"
-    # pooling and normalization stay fp32 whatever the weights are
-    out, _ = m.embed(m.tokenize(["hello"]), {"dense"})
-    assert out[0].dense.dtype == np.float32 and abs(np.linalg.norm(out[0].dense) - 1) < 1e-5
-
-
-def test_dtype_auto_refuses_bf16_when_it_drifts(minilm_dir, monkeypatch):
-    monkeypatch.setattr(em, "fast_bf16_available", lambda device: True)
-    monkeypatch.setattr(em.EmbeddingModel, "bf16_agreement", lambda self, texts=None: 0.99)
-    assert em.EmbeddingModel(minilm_dir, dtype="auto").spec.dtype == "float32"
 
 
 def test_attention_plan_groups_cover_every_token_once():

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from embedserve.api.errors import status_for
 from embedserve.engine.embed_engine import EmbedEngine, EmbedEngineConfig
-from embedserve.engine.queue import EmbedRequest, RequestStatus, TokenBudgetQueue
+from embedserve.engine.batch_queue import EmbedRequest, RequestStatus, TokenBudgetQueue
 from embedserve.errors import OverloadedError, ValidationError
 from embedserve.models.embedding_model import EmbedOutput
 
@@ -87,7 +88,7 @@ def test_overload_is_refused_with_retry_after():
     eng.submit(_req([60]))
     with pytest.raises(OverloadedError) as exc:
         eng.submit(_req([10]))
-    assert exc.value.retry_after >= 1 and exc.value.status_code == 429
+    assert exc.value.retry_after >= 1 and status_for(exc.value)[0] == 429
     eng.stop()
 
 

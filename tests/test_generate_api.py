@@ -7,8 +7,8 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from embedserve.api.app import create_app
-from embedserve.api.generate_routes import Generator
+from embedserve.serve import build_app
+from embedserve.engine.generator import Generator
 from embedserve.config import ServerConfig
 from embedserve.engine.sequence import SamplingParams
 
@@ -21,7 +21,7 @@ GEN = "SmolLM2-135M-Instruct"
 def gen_client(smollm2, minilm_model):
     eng = make_decode_engine(smollm2, num_blocks=256, max_model_len=1024)
     gen = Generator(name=GEN, engine=eng, tokenizer=smollm2[1])
-    app = create_app(ServerConfig(model="all-MiniLM-L6-v2"), model=minilm_model, generator=gen)
+    app = build_app(ServerConfig(model="all-MiniLM-L6-v2"), model=minilm_model, generator=gen)
     with TestClient(app) as c:
         yield c, eng
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from embedserve import index_cli
+from embedserve.cli import index as index_cli
 from embedserve.cli import main
+from embedserve.embedders import ModelEmbedder
 
 
 @pytest.fixture
@@ -16,8 +17,8 @@ def cli(tmp_path, minilm_model, monkeypatch, capsys):
 
     def fake_load(name, dtype):
         loaded.append(name)
-        return minilm_model
-    monkeypatch.setattr(index_cli, "_load_model", fake_load)
+        return ModelEmbedder(minilm_model)
+    monkeypatch.setattr(index_cli, "_load_embedder", fake_load)
 
     def run(*argv):
         rc = main(["index", argv[0], "--index-dir", str(tmp_path / "ix"), *argv[1:]])

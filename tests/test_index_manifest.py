@@ -11,9 +11,10 @@ import os
 import numpy as np
 import pytest
 
-from embedserve.errors import ConflictError, ValidationError
+from embedserve.api.errors import status_for
+from embedserve.embedders import ModelEmbedder
+from index.errors import ConflictError, ValidationError
 from index.docstore import Document
-from index.encode import embed_documents
 from index.manifest import MANIFEST, IndexCorruptError, ModelIdentity
 from index.search import Query
 from index.store import IndexStore
@@ -35,7 +36,8 @@ FIELDS = {
 
 @pytest.fixture(scope="module")
 def vectors(minilm_model):
-    dense, sparse, _ = embed_documents(minilm_model, TEXTS)
+    v = ModelEmbedder(minilm_model).embed_documents(TEXTS)
+    dense, sparse = v.dense, v.sparse
     return ModelIdentity.from_spec(minilm_model.spec), dense, sparse
 
 
@@ -54,7 +56,7 @@ def _other(ident: ModelIdentity, field: str) -> ModelIdentity:
 
 
 def _assert_names_field(exc: ConflictError, field: str, ours, theirs) -> None:
-    assert exc.status_code == 409 and exc.code == "manifest_mismatch"
+    assert status_for(exc)[0] == 409 and exc.code == "manifest_mismatch"
     assert exc.param == field
     assert f"{field} mismatch" in exc.message
     assert repr(ours) in exc.message and repr(theirs) in exc.message, exc.message
@@ -141,7 +143,7 @@ def test_newer_format_version_is_refused(store, vectors):
 def test_names_that_leave_the_root_or_break_the_rule_are_refused(store, vectors, name):
     with pytest.raises(ValidationError) as e:
         store.open(name)
-    assert e.value.status_code == 400 and e.value.code == "invalid_index_name"
+    assert status_for(e.value)[0] == 400 and e.value.code == "invalid_index_name"
     with pytest.raises(ValidationError):
         store.create(name, vectors[0])
     with pytest.raises(ValidationError):

@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from embedserve.embedders import ModelEmbedder
 from index.docstore import Document
-from index.encode import embed_documents, lexical_terms
 from index.manifest import DenseConfig, ModelIdentity
 from index.search import Query
 from index.store import IndexStore
+from index.verify import verify_index
 
 N_DOCS = 250
 # A sentence ends after a lowercase word of 3+ letters, so "St. John's" or "U.S. Navy" do not split.
@@ -54,11 +55,13 @@ def _wiki_corpus() -> list[tuple[str, str, str]]:
 @pytest.fixture(scope="module")
 def corpus(minilm_model):
     docs = _wiki_corpus()
-    dense, sparse, _ = embed_documents(minilm_model, [text for _, text, _ in docs])
+    emb = ModelEmbedder(minilm_model)
+    v = emb.embed_documents([text for _, text, _ in docs])
+    dense, sparse = v.dense, v.sparse
     queries = [q for _, _, q in docs]
     outs, _ = minilm_model.embed(minilm_model.tokenize(queries, "query"), {"dense"})
     return {"docs": docs, "dense": dense, "sparse": sparse,
-            "q_dense": [o.dense for o in outs], "q_sparse": lexical_terms(minilm_model, queries),
+            "q_dense": [o.dense for o in outs], "q_sparse": emb.lexical_terms(queries),
             "identity": ModelIdentity.from_spec(minilm_model.spec)}
 
 
@@ -113,7 +116,7 @@ def test_hybrid_against_dense_and_lexical(tmp_path, corpus):
 def test_hnsw_recall_is_reported_by_verify(tmp_path, corpus):
     cfg = DenseConfig(kind="hnsw", hnsw_m=16, ef_construction=100, ef_search=64)
     with _build(tmp_path, corpus, cfg) as ix:
-        report = ix.verify(sample=100)
+        report = verify_index(ix, sample=100)
         recall, _ = _recall(ix, corpus, mode="dense")
     assert report.ok, report.problems
     assert report.recall_at_10 is not None and report.recall_at_10 >= 0.9, report.recall_at_10
@@ -123,7 +126,7 @@ def test_hnsw_recall_is_reported_by_verify(tmp_path, corpus):
 
 def test_verify_of_exact_index_is_clean_and_has_no_recall(tmp_path, corpus):
     with _build(tmp_path, corpus) as ix:
-        report = ix.verify(sample=50)
+        report = verify_index(ix, sample=50)
     assert report.ok, report.problems
     assert report.recall_at_10 is None
     assert report.counts["sqlite_documents"] == report.counts["faiss"] == report.counts["postings"] == N_DOCS

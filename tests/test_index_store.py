@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from embedserve.errors import ValidationError
 from index.docstore import Document
-from index.encode import embed_documents, encode_query
+from embedserve.embedders import ModelEmbedder
+from index.errors import ValidationError
 from index.manifest import DenseConfig, ModelIdentity
 from index.search import Query
 from index.sparse import B, K1, SparseIndex
 from index.store import IndexStore
+from index.verify import verify_index
 
 DIM = 16
 IDENT = ModelIdentity(model="unit", fingerprint="u" * 64, dimension=DIM, normalize=True, pooling="mean",
@@ -120,12 +121,12 @@ def test_corrupt_snapshot_is_rebuilt_from_sqlite(store, caplog):
     with store.open("t", IDENT) as ix:
         assert any("checksum" in r.getMessage() for r in caplog.records)
         assert ix.counts()["dense"] == 10 and top(ix, vec(3)) == ["d3"]
-        report = ix.verify()
+        report = verify_index(ix)
         assert not report.ok and "checksum" in report.problems[0]   # the file on disk is still bad...
     with store.open("t", IDENT) as ix:                               # ...until the next snapshot
         put(ix, [77])
         ix.snapshot()
-        assert ix.verify().ok
+        assert verify_index(ix).ok
 
 
 def test_a_second_process_sees_writes_and_deletes(store):
@@ -158,7 +159,7 @@ def test_hnsw_tombstones_are_never_returned_and_compact_away(store):
         assert len(ix.dense.stale) == 11 and ix.counts()["dense"] == 20
         ix.rebuild()
         assert len(ix.dense.stale) == 0 and ix.dense.index.ntotal == 20
-        assert ix.verify().ok
+        assert verify_index(ix).ok
 
 
 def test_versions_and_current_pointer(store):
@@ -251,10 +252,12 @@ def test_bgem3_lexical_weights_and_flagembedding_weighting(store, bgem3_model):
              "La tour Eiffel est une tour de fer puddlé.", "How much protein should a female eat per day?"]
     ident = ModelIdentity.from_spec(bgem3_model.spec)
     assert ident.lexical == "lexical_weights"
-    dense, sparse, _ = embed_documents(bgem3_model, texts)
+    emb = ModelEmbedder(bgem3_model)
+    v = emb.embed_documents(texts)
+    dense, sparse = v.dense, v.sparse
     with store.create("m3", ident) as ix:
         ix.upsert([Document(str(i), t) for i, t in enumerate(texts)], dense, sparse, ident)
-        q_dense, q_sparse = encode_query(bgem3_model, "fox and dog", "hybrid")
+        q_dense, q_sparse = emb.embed_query("fox and dog", "hybrid")
         hits = ix.search(Query(dense=q_dense, sparse=q_sparse, mode="hybrid", fusion="weighted", top_k=4), ident)
         assert len(hits) == 4
         for h in hits:

@@ -36,7 +36,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import JITFunction  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import paged_attention as pa  # noqa: E402
+from kernels import triton_attention as pa  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.store_kv import store_kv  # noqa: E402
 
@@ -292,7 +292,7 @@ def compile_only(self, key, signature, device, constexprs, options, attrs, warmu
 
 triton.runtime.driver.set_active(Driver())
 JITFunction._do_compile = compile_only
-import kernels.paged_attention as pa, kernels.store_kv as sk
+import kernels.triton_attention as pa, kernels.store_kv as sk
 pa.check_runnable = sk.check_runnable = lambda kernel, device: None   # CPU tensors stand in for CUDA ones
 for cache_dtype, hd, (nh, kvh), bs in [(torch.float16, 128, (8, 2), 16), (torch.bfloat16, 64, (8, 1), 32),
                                         (torch.float8_e4m3fn, 128, (4, 4), 16)]:

@@ -30,8 +30,9 @@ def _free_port() -> int:
 def server(e5_dir):
     port = _free_port()
     env = dict(os.environ, EMBEDSERVE_THREADS="2")
+    # float32 pinned: these tests compare with fp32 references (bf16 and int8: test_precision.py)
     proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port),
-                             "--max-batch-tokens", "4096", "--log-level", "warning",
+                             "--dtype", "float32", "--max-batch-tokens", "4096", "--log-level", "warning",
                              "--kv-cache-memory", "300000000", "--max-model-len", "2048"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

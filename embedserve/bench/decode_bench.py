@@ -5,8 +5,12 @@
   (b) RAG shape: a 1,000-token shared system prompt + a document + a short question —
       time to first token with prefix caching on vs off, and the cache hit rate;
   (c) KV memory per token against the formula, and the waste (allocated, unused slots).
+  --precision: only our engine in float32 vs bfloat16 weights (16 × 128-token prompts -> 64
+      tokens with ignore_eos, 16 at once and 1 alone; runs interleaved, median of 3), which
+      decides `--dtype auto` for the decoder (embedserve.precision.DECODER_BF16_FASTER_ON_CPU).
 
-    python -m embedserve.bench.decode_bench --out bench-results/decode.json
+    python -m embedserve.bench.decode_bench --out embedserve/bench/results/decode.json
+    python -m embedserve.bench.decode_bench --precision --out embedserve/bench/results/decode_precision.json
 """
 
 from __future__ import annotations
@@ -80,6 +84,33 @@ def bench_rag_ttft(make_engine, tok, n: int) -> dict:
     return res
 
 
+def bench_precision(path, tok, repeats: int = 3) -> dict:
+    """Our engine's decode throughput with float32 vs bfloat16 weights, same prompts and settings."""
+    from embedserve.engine.decode_engine import DecodeEngine, DecodeEngineConfig
+    from embedserve.engine.sequence import SamplingParams
+    from embedserve.models.llama import LlamaModel
+    from embedserve.precision import cpu_flags, fast_bf16_available
+
+    prompts = _prompts(tok, 16, 128, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    engines = {}
+    for dtype in ("float32", "bfloat16"):
+        model = LlamaModel.from_dir(path, dtype=getattr(torch, dtype))
+        engines[dtype] = DecodeEngine(model, tok, DecodeEngineConfig(
+            num_blocks=512, block_size=16, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=64))
+    times: dict[str, list[float]] = {f"{d}-{c}": [] for d in engines for c in (16, 1)}
+    for _ in range(repeats + 1):                       # the first round warms up and is dropped
+        for dtype, eng in engines.items():
+            for conc in (16, 1):
+                t0 = time.perf_counter()
+                eng.generate(prompts[:conc], params)
+                times[f"{dtype}-{conc}"].append(time.perf_counter() - t0)
+    tps = {k: (64 * int(k.split("-")[1])) / statistics.median(v[1:]) for k, v in times.items()}
+    return {"tokens_per_s": tps, "bf16_over_fp32_16": tps["bfloat16-16"] / tps["float32-16"],
+            "bf16_over_fp32_1": tps["bfloat16-1"] / tps["float32-1"], "fast_bf16": fast_bf16_available("cpu"),
+            "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2")))}
+
+
 def kv_memory(eng) -> dict:
     cfg = eng.model.cfg
     kc, vc = eng.runner.kv_caches[0]
@@ -94,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rag-requests", type=int, default=6)
-    ap.add_argument("--out", default="bench-results/decode.json")
+    ap.add_argument("--out", default="embedserve/bench/results/decode.json")
+    ap.add_argument("--precision", action="store_true", help="only float32 vs bfloat16 decoding (ours)")
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -106,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     name, path = resolve_generate_model("SmolLM2-135M-Instruct")
     tok = AutoTokenizer.from_pretrained(str(path))
+    if args.precision:
+        res = {"model": name, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M"),
+               **bench_precision(path, tok)}
+        print(json.dumps(res, indent=1))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        return 0
     model = LlamaModel.from_dir(path)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 

@@ -7,7 +7,7 @@ One run, one model, one fixed corpus of mixed-length texts:
 each in fp32, and in bf16 on a (smaller) slice of the corpus. Writes a JSON result file and
 prints a table. Run it alone: the machine's cores are the thing being measured.
 
-    python -m embedserve.bench.embed_bench --out bench-results/embed.json
+    python -m embedserve.bench.embed_bench --out embedserve/bench/results/embed.json
 """
 
 from __future__ import annotations
@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-texts", type=int, default=400,
                     help="corpus slice for the bf16 runs (0 to skip; bf16 is emulated, slow, on CPUs without AVX512-BF16/AMX)")
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
-    ap.add_argument("--out", default="bench-results/embed.json")
+    ap.add_argument("--out", default="embedserve/bench/results/embed.json")
     args = ap.parse_args(argv)
 
     import torch
-    from embedserve.models.embedding_model import fast_bf16_available
+    from embedserve.precision import fast_bf16_available
     from embedserve.models.registry import resolve_model
 
     torch.set_num_threads(os.cpu_count() or 1)

@@ -24,7 +24,7 @@ from .model_runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import SamplingParams, Sequence
-from .worker import EngineThread
+from .engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,10 @@ class DecodeEngine(EngineThread):
         self._callbacks: dict[int, Callable[[GenerationEvent], None]] = {}
 
     # ------------------------------------------------------------ interface
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Refuse what can never run: over --max-model-len, or more blocks than the cache has."""
         cfg = self.config

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from ..errors import OverloadedError, UnavailableError, ValidationError
 from ..metrics import Metrics
 from ..models.embedding_model import EmbeddingModel
-from .queue import EmbedRequest, RequestStatus, TokenBudgetQueue
-from .worker import EngineThread
+from .batch_queue import EmbedRequest, RequestStatus, TokenBudgetQueue
+from .engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class EmbedEngineConfig:
     max_batch_size: int = 256
     max_queued_tokens: int = 262_144
     max_concurrent_requests: int = 512
+    max_input_length: int | None = None      # default: the model's
 
     def __post_init__(self):
         for f in ("max_batch_tokens", "max_batch_size", "max_queued_tokens", "max_concurrent_requests"):
@@ -70,6 +71,39 @@ class EmbedEngine(EngineThread):
         with self._cv:
             return {"queued_inputs": len(self._queue), "queued_tokens": self._queue.num_tokens,
                     "active_requests": len(self._active), "tokens_per_s": round(self._tokens_per_s, 1)}
+
+    # ------------------------------------------------- the model, as callers may use it
+    @property
+    def spec(self):
+        """The served model's `ModelSpec` (name, dimension, heads, dtype, fingerprint...)."""
+        return self.model.spec
+
+    @property
+    def max_input_length(self) -> int:
+        return self.config.max_input_length or self.model.max_input_length
+
+    @property
+    def embedding_types(self) -> set[str]:
+        """What this model can produce from one forward pass."""
+        return self.model.spec.embedding_types
+
+    @property
+    def special_ids(self) -> set[int]:
+        return self.model.special_ids
+
+    def has_prefix(self, input_type: str | None) -> bool:
+        """Whether `input_type` (query | passage) adds a text prefix for this model."""
+        return bool(self.model.prefixes.get(input_type or ""))
+
+    def tokenize(self, texts: list[str], input_type: str | None = None) -> list[list[int]]:
+        """Token ids with specials and the model's prefix for `input_type`, untruncated (thread-safe)."""
+        return self.model.tokenize(texts, input_type)
+
+    def wrap_token_ids(self, ids: list[int]) -> list[int]:
+        return self.model.wrap_token_ids(ids)
+
+    def truncate(self, ids: list[int], limit: int | None = None) -> list[int]:
+        return self.model.truncate(ids, limit or self.max_input_length)
 
     # ------------------------------------------------------------ interface
     def submit(self, request: EmbedRequest) -> None:

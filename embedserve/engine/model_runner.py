@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..models.llama import LlamaModel
-from ..models.paged_attn import AttentionMetadata
+from ..models.attention_dispatch import AttentionMetadata
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 

@@ -8,9 +8,9 @@ import json
 import logging
 from pathlib import Path
 
-from ..config import embedserve_home
+from ..paths import embedserve_home
 from ..fsutil import install_dir
-from .registry import package_dir
+from .packages import package_dir
 
 logger = logging.getLogger(__name__)
 

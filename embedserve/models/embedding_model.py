@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,14 +22,16 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from .encoder import AttentionPlan, Encoder, EncoderConfig
+from ..precision import (ProbeResult, cached_probe, check_gate, encoder_precision, store_probe,
+                         why as precision_reason)
+from .encoder import AttentionPlan, Encoder, EncoderConfig, load_encoder
 
 logger = logging.getLogger(__name__)
 
 OUTPUT_TYPES = ("dense", "sparse", "colbert")
 
-# Probe texts for the bf16 acceptance check (English, Chinese, French; short and long).
-_PROBE_TEXTS = [
+# Probe texts for the precision gates (English, Chinese, French; short and long).
+PROBE_TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "How much protein should a female eat per day?",
     "北京是中华人民共和国的首都，也是全国的政治和文化中心。",
@@ -61,6 +64,11 @@ class ModelSpec:
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
 
+    @property
+    def embedding_types(self) -> set[str]:
+        """What the model produces from one forward pass: dense, and its heads."""
+        return {"dense"} | ({"sparse"} if self.has_sparse else set()) | ({"colbert"} if self.has_colbert else set())
+
 
 @dataclass(slots=True)
 class EmbedOutput:
@@ -69,18 +77,6 @@ class EmbedOutput:
     dense: np.ndarray | None = None                          # (D,) float32
     sparse: tuple[np.ndarray, np.ndarray] | None = None      # (token ids int64, weights float32)
     colbert: np.ndarray | None = None                        # (n_tokens - 1, D_c) float32
-
-
-def fast_bf16_available(device: torch.device) -> bool:
-    """True where bf16 matmuls are fast: a CUDA GPU with bf16, or a CPU with AVX512-BF16 / AMX.
-    (Without them torch emulates bf16 on the CPU, which is far slower than fp32.)"""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def read_conventions(path: Path) -> dict:
@@ -145,9 +141,10 @@ class EmbeddingModel:
             self.sparse_head = _load_head(self.path / "sparse_linear.pt", self.device)
         if (self.path / "colbert_linear.pt").exists():
             self.colbert_head = _load_head(self.path / "colbert_linear.pt", self.device)
-        self.torch_dtype = self._choose_dtype(dtype)
-        self.encoder = self._load_encoder(self.torch_dtype)
         self.special_ids = self._special_ids()
+        self.fingerprint = fingerprint_dir(self.path)
+        self.precision = self._settle_precision(dtype)
+        self.encoder = load_encoder(self.path, self.precision, self.device)
         self.spec = ModelSpec(
             name=name or conv.get("name") or self.path.name, path=str(self.path),
             model_type=self.cfg.model_type, dim=self.cfg.hidden_size, pooling=self.pooling,
@@ -155,7 +152,7 @@ class EmbeddingModel:
             passage_prefix=self.prefixes["passage"], max_input_length=self.max_input_length,
             vocab_size=self.cfg.vocab_size, has_sparse=self.sparse_head is not None,
             has_colbert=self.colbert_head is not None,
-            dtype=str(self.torch_dtype).removeprefix("torch."), fingerprint=fingerprint_dir(self.path))
+            dtype=self.precision, fingerprint=self.fingerprint)
 
     # ----------------------------------------------------------------- loading
     def _load_tokenizer(self) -> Tokenizer:
@@ -185,33 +182,55 @@ class EmbeddingModel:
                 ids.add(i)
         return ids
 
-    def _load_encoder(self, dtype: torch.dtype) -> Encoder:
-        return Encoder.from_dir(self.path, dtype=dtype, device=self.device)
+    def _settle_precision(self, requested: str) -> str:
+        """The encoder's precision (`embedserve.precision` decides; the probe runs here once per
+        model and machine when `auto` has not measured this one yet)."""
+        choice = encoder_precision(requested, self.device, self.fingerprint)
+        if choice.dtype is None:
+            result = self.probe_precisions(choice.candidates)
+            store_probe(self.fingerprint, self.device, result)
+            dtype = result.fastest_passing()
+            logger.info("dtype auto -> %s (%s)", dtype, precision_reason(result, dtype))
+            return dtype
+        if choice.requested == "int8":
+            cached = cached_probe(self.fingerprint, self.device)
+            cos = cached.min_cosine.get("int8") if cached else None
+            if cos is None:
+                cos = self.agreement("int8")
+            check_gate("int8", cos, self.path.name)
+        logger.info("dtype %s -> %s (%s)", choice.requested, choice.dtype, choice.reason)
+        return choice.dtype
 
-    def _choose_dtype(self, dtype: str) -> torch.dtype:
-        if dtype in ("float32", "fp32"):
-            return torch.float32
-        if dtype in ("bfloat16", "bf16"):
-            return torch.bfloat16
-        if dtype != "auto":
-            raise ValueError(f"--dtype must be auto, float32 or bfloat16, not {dtype!r}")
-        if not fast_bf16_available(self.device):
-            logger.info("dtype auto -> float32 (no fast bf16 on this %s)", self.device.type)
-            return torch.float32
-        cos = self.bf16_agreement()
-        if cos >= 0.999:
-            logger.info("dtype auto -> bfloat16 (min cosine to float32 on probe texts %.5f)", cos)
-            return torch.bfloat16
-        logger.warning("dtype auto -> float32: bf16 min cosine %.5f < 0.999 for this model", cos)
-        return torch.float32
+    def probe_precisions(self, candidates, texts: list[str] | None = None) -> ProbeResult:
+        """Each candidate's minimum cosine to float32 on the probe texts and its speed on one
+        ~2,000-token batch of them (best of three, after a warm-up), float32's too."""
+        ids = self.tokenize(texts or PROBE_TEXTS)
+        batch = (ids * (1 + 2000 // sum(map(len, ids))))[:256]
+        result = ProbeResult()
+        ref = None
+        for dtype in ("float32", *candidates):
+            try:
+                enc = load_encoder(self.path, dtype, self.device)
+                dense = self._dense_with(enc, ids)
+            except RuntimeError as exc:           # e.g. int8 without a working torch.compile
+                result.unavailable[dtype] = str(exc)
+                continue
+            if ref is None:
+                ref = dense
+            else:
+                result.min_cosine[dtype] = _min_cosine(ref, dense)
+            result.tokens_per_s[dtype] = _tokens_per_s(lambda: self._embed_with(enc, batch, {"dense"}), batch)
 
-    def bf16_agreement(self, texts: list[str] | None = None) -> float:
-        """Minimum cosine between bf16 and fp32 dense embeddings of `texts` (probe set by default)."""
-        ids = self.tokenize(texts or _PROBE_TEXTS)
-        ref = np.stack([o.dense for o in self._embed_with(Encoder.from_dir(self.path, torch.float32, self.device), ids, {"dense"})[0]])
-        low = np.stack([o.dense for o in self._embed_with(Encoder.from_dir(self.path, torch.bfloat16, self.device), ids, {"dense"})[0]])
-        cos = (ref * low).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(low, axis=1))
-        return float(cos.min())
+        return result
+
+    def agreement(self, dtype: str, texts: list[str] | None = None) -> float:
+        """Minimum cosine between `dtype`'s and float32's dense embeddings of `texts` (probe set by default)."""
+        ids = self.tokenize(texts or PROBE_TEXTS)
+        ref = self._dense_with(load_encoder(self.path, "float32", self.device), ids)
+        return _min_cosine(ref, self._dense_with(load_encoder(self.path, dtype, self.device), ids))
+
+    def _dense_with(self, encoder: Encoder, ids: list[list[int]]) -> np.ndarray:
+        return np.stack([o.dense for o in self._embed_with(encoder, ids, {"dense"})[0]])
 
     # -------------------------------------------------------------- tokenizing
     def tokenize(self, texts: list[str], input_type: str | None = None) -> list[list[int]]:
@@ -287,3 +306,20 @@ class EmbeddingModel:
         ids, w = ids[order], w[order]
         first = np.concatenate([[True], ids[1:] != ids[:-1]])
         return ids[first].astype(np.int64), w[first].astype(np.float32)
+
+
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return float(cos.min())
+
+
+def _tokens_per_s(run, batch: list[list[int]], repeats: int = 3) -> float:
+    run()                                               # warm-up (allocations, oneDNN kernels)
+    best = min(_timed(run) for _ in range(repeats))
+    return sum(map(len, batch)) / max(best, 1e-9)
+
+
+def _timed(run) -> float:
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0

@@ -107,6 +107,21 @@ class AttentionPlan:
         return plan
 
 
+class Linear:
+    """y = x W^T + b in the weights' dtype; the int8 path swaps in `models.int8.Int8Linear`."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        self.weight, self.bias = weight, bias             # (N, K), (N,)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight, self.bias)
+
+
 class Encoder(torch.nn.Module):
     """Post-LayerNorm transformer encoder (BERT / XLM-R) over packed tokens."""
 
@@ -133,12 +148,12 @@ class Encoder(torch.nn.Module):
             a = p + "attention.self."
             self.layers.append({
                 # q, k, v fused into one (3H, H) matmul
-                "wqkv": torch.cat([w(a + "query.weight"), w(a + "key.weight"), w(a + "value.weight")]),
-                "bqkv": torch.cat([w(a + "query.bias"), w(a + "key.bias"), w(a + "value.bias")]),
-                "wo": w(p + "attention.output.dense.weight"), "bo": w(p + "attention.output.dense.bias"),
+                "qkv": Linear(torch.cat([w(a + "query.weight"), w(a + "key.weight"), w(a + "value.weight")]),
+                              torch.cat([w(a + "query.bias"), w(a + "key.bias"), w(a + "value.bias")])),
+                "attn_out": Linear(w(p + "attention.output.dense.weight"), w(p + "attention.output.dense.bias")),
                 "ln1": (w(p + "attention.output.LayerNorm.weight"), w(p + "attention.output.LayerNorm.bias")),
-                "wi": w(p + "intermediate.dense.weight"), "bi": w(p + "intermediate.dense.bias"),
-                "wo2": w(p + "output.dense.weight"), "bo2": w(p + "output.dense.bias"),
+                "ffn_up": Linear(w(p + "intermediate.dense.weight"), w(p + "intermediate.dense.bias")),
+                "ffn_down": Linear(w(p + "output.dense.weight"), w(p + "output.dense.bias")),
                 "ln2": (w(p + "output.LayerNorm.weight"), w(p + "output.LayerNorm.bias")),
             })
 
@@ -165,7 +180,7 @@ class Encoder(torch.nn.Module):
     def num_parameters(self) -> int:
         n = self.word.numel() + self.pos.numel() + self.type0.numel() + 2 * self.cfg.hidden_size
         for layer in self.layers:
-            n += sum(t.numel() for v in layer.values() for t in (v if isinstance(v, tuple) else (v,)))
+            n += sum(t.numel() for v in layer.values() for t in (v if isinstance(v, tuple) else v.tensors()))
         return n
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
@@ -204,11 +219,11 @@ class Encoder(torch.nn.Module):
         x = self.word[input_ids] + self.pos[position_ids + cfg.position_offset] + self.type0
         x = F.layer_norm(x, (H,), *self.emb_ln, eps)                          # (T, H)
         for p in self.layers:
-            qkv = F.linear(x, p["wqkv"], p["bqkv"])                          # (T, 3H)
+            qkv = p["qkv"](x)                                                # (T, 3H)
             ctx = self._attention(qkv, plan)                                 # (T, H)
-            x = F.layer_norm(x + F.linear(ctx, p["wo"], p["bo"]), (H,), *p["ln1"], eps)
-            h = self._act(F.linear(x, p["wi"], p["bi"]))                     # (T, I)
-            x = F.layer_norm(x + F.linear(h, p["wo2"], p["bo2"]), (H,), *p["ln2"], eps)
+            x = F.layer_norm(x + p["attn_out"](ctx), (H,), *p["ln1"], eps)
+            h = self._act(p["ffn_up"](x))                                    # (T, I)
+            x = F.layer_norm(x + p["ffn_down"](h), (H,), *p["ln2"], eps)
         return x
 
 
@@ -233,3 +248,17 @@ def model_weight_bytes(path: Path, bytes_per_el: int) -> int:
             if k != "__metadata__":
                 total += math.prod(meta["shape"]) * bytes_per_el
     return total
+
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_encoder(path: Path, precision: str, device: torch.device | str = "cpu") -> Encoder:
+    """The encoder of `path` in `precision` (`embedserve.precision` names it): float32, bfloat16,
+    or int8 (int8 linear layers, the rest in bf16 where it is fast, else float32)."""
+    if precision == "int8":
+        from ..precision import fast_bf16_available
+        from .int8 import quantize_encoder
+        act = torch.bfloat16 if fast_bf16_available(device) else torch.float32
+        return quantize_encoder(Encoder.from_dir(path, torch.float32, device), act)
+    return Encoder.from_dir(path, TORCH_DTYPES[precision], device)

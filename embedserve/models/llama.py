@@ -3,7 +3,7 @@ KV cache. One forward takes the step's packed tokens of every scheduled sequence
 
     input_ids, positions: (T,)   ->  hidden (T, H)  ->  logits of the rows that sample
 
-Weights load from HF safetensors only. Attention goes through `paged_attn` (the Triton
+Weights load from HF safetensors only. Attention goes through `attention_dispatch` (the Triton
 kernels on a GPU, a vectorized torch path on the CPU).
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from .paged_attn import AttentionMetadata, paged_attention, store_kv
+from .attention_dispatch import AttentionMetadata, paged_attention, store_kv
 
 
 @dataclass(slots=True)

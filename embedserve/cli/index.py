@@ -14,8 +14,11 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from .config import embedserve_home
-from .errors import EmbedServeError, ValidationError
+from index.errors import DescribedError
+
+from ..config import DEFAULT_MODEL
+from ..errors import ValidationError
+from ..paths import index_root
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ def register(subparsers) -> None:
 
     c = cmd("create", cmd_create, "create an empty index bound to a model")
     c.add_argument("name")
-    model_flags(c, default=os.environ.get("EMBEDSERVE_MODEL", "multilingual-e5-small"))
+    model_flags(c, default=os.environ.get("EMBEDSERVE_MODEL", DEFAULT_MODEL))
     c.add_argument("--dense", choices=["flat", "hnsw"], default="flat", help="exact (flat) or approximate (hnsw)")
     c.add_argument("--hnsw-m", type=int, default=32)
     c.add_argument("--ef-construction", type=int, default=200)
@@ -80,28 +83,29 @@ def _run(func, args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return func(args)
-    except EmbedServeError as exc:
+    except DescribedError as exc:
         print(f"embedserve index: error: {exc.message}", file=sys.stderr)
         return 1
 
 
 def _store(args):
     from index.store import IndexStore
-    return IndexStore(args.index_dir or embedserve_home() / "indexes")
+    return IndexStore(index_root(args.index_dir))
 
 
-def _load_model(spec_name: str, dtype: str):
-    from .models.embedding_model import EmbeddingModel
-    from .models.registry import resolve_model
+def _load_embedder(spec_name: str, dtype: str):
+    from ..embedders import ModelEmbedder
+    from ..models.embedding_model import EmbeddingModel
+    from ..models.registry import resolve_model
     name, path = resolve_model(spec_name)
-    return EmbeddingModel(path, name=name, dtype=dtype)
+    return ModelEmbedder(EmbeddingModel(path, name=name, dtype=dtype))
 
 
 def _model_for(args, store):
-    """`--model`, else the model the index's manifest names."""
+    """An embedder over `--model`, else over the model the index's manifest names."""
     model = args.model or store.manifest(args.name).model
     try:
-        return _load_model(model, args.dtype)
+        return _load_embedder(model, args.dtype)
     except FileNotFoundError as exc:
         raise ValidationError(f"{exc}; pass --model with the model this index was built with") from None
 
@@ -111,12 +115,12 @@ def _print(obj) -> None:
 
 
 def cmd_create(args) -> int:
-    from index.manifest import DenseConfig, ModelIdentity
+    from index.manifest import DenseConfig
     store = _store(args)
-    model = _load_model(args.model, args.dtype)
+    embedder = _load_embedder(args.model, args.dtype)
     dense = DenseConfig(kind=args.dense, hnsw_m=args.hnsw_m, ef_construction=args.ef_construction,
                         ef_search=args.ef_search)
-    with store.create(args.name, ModelIdentity.from_spec(model.spec), dense) as ix:
+    with store.create(args.name, embedder.identity, dense) as ix:
         _print(ix.describe())
     return 0
 
@@ -168,31 +172,21 @@ def _read_documents(files: list[Path]):
 def cmd_add(args) -> int:
     from tqdm import tqdm
 
-    from index.encode import embed_documents
-    from index.manifest import ModelIdentity
+    from index.ops import upsert_documents
 
     store = _store(args)
-    model = _model_for(args, store)
-    identity = ModelIdentity.from_spec(model.spec)
+    embedder = _model_for(args, store)
     docs = list(_read_documents(args.files))
     tally: dict[str, int] = {}
     truncated = 0
-    with store.open(args.name, identity) as ix, tqdm(total=len(docs), unit="doc", desc=f"index {args.name}") as bar:
+    with store.open(args.name, embedder.identity) as ix, tqdm(total=len(docs), unit="doc", desc=f"index {args.name}") as bar:
         for start in range(0, len(docs), max(1, args.batch_size)):
             batch = docs[start:start + args.batch_size]
-            need = ix.pending(batch)
-            todo = [d for d, n in zip(batch, need) if n]
-            dense, sparse = [None] * len(batch), [None] * len(batch)
-            if todo:
-                d, s, cut = embed_documents(model, [x.text for x in todo])
-                truncated += len(cut)
-                it = iter(zip(d, s))
-                for i, n in enumerate(need):
-                    if n:
-                        dense[i], sparse[i] = next(it)
-            change = ix.upsert(batch, dense, sparse, identity)
-            for outcome in change.outcomes.values():
-                tally[outcome] = tally.get(outcome, 0) + 1
+            result = upsert_documents(ix, batch, embedder)
+            for outcome in ("added", "replaced", "metadata", "unchanged"):
+                if getattr(result, outcome):
+                    tally[outcome] = tally.get(outcome, 0) + getattr(result, outcome)
+            truncated += len(result.truncated)
             bar.update(len(batch))
         counts = ix.counts()
     _print({"index": args.name, **tally, "truncated": truncated, "counts": counts})
@@ -200,13 +194,10 @@ def cmd_add(args) -> int:
 
 
 def cmd_search(args) -> int:
-    from index.encode import encode_query
-    from index.manifest import ModelIdentity
-    from index.search import Query
+    from index.ops import search_text
 
     store = _store(args)
-    model = _model_for(args, store)
-    identity = ModelIdentity.from_spec(model.spec)
+    embedder = _model_for(args, store)
     try:
         weights = tuple(float(x) for x in args.weights.split(","))
         flt = json.loads(args.filter) if args.filter else None
@@ -214,13 +205,11 @@ def cmd_search(args) -> int:
         raise ValidationError(f"--weights is two numbers like 0.4,0.2 and --filter a JSON object ({exc})") from None
     if len(weights) != 2:
         raise ValidationError("--weights takes two numbers: dense,sparse")
-    with _reading(store, args.name, identity) as ix:
-        dense, sparse = encode_query(model, args.query, args.mode)
-        hits = ix.search(Query(dense=dense, sparse=sparse, top_k=args.top_k, mode=args.mode, fusion=args.fusion,
-                               weights=weights, filter=flt), identity)
+    with _reading(store, args.name, embedder.identity) as ix:
+        hits = search_text(ix, embedder, args.query, top_k=args.top_k, mode=args.mode, fusion=args.fusion,
+                           weights=weights, filter=flt)
     if args.json:
-        _print([{"id": h.id, "score": h.score, "scores": h.scores, "text": h.text, "metadata": h.metadata}
-                for h in hits])
+        _print([h.to_dict() for h in hits])
     else:
         for rank, h in enumerate(hits, 1):
             print(f"{rank:3d}  {h.score:8.4f}  {h.id}  {h.text[:100].replace(chr(10), ' ')}")
@@ -228,8 +217,9 @@ def cmd_search(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from index.verify import verify_index
     with _reading(_store(args), args.name) as ix:
-        report = ix.verify(args.sample)
+        report = verify_index(ix, args.sample)
     _print(report.to_dict())
     return 0 if report.ok else 1
 

@@ -10,7 +10,8 @@ import torch
 
 from .config import ServerConfig
 from .errors import ConfigError
-from .models.embedding_model import fast_bf16_available
+from .models.embedding_model import fingerprint_dir
+from .precision import decoder_precision, encoder_precision
 from .models.encoder import EncoderConfig, activation_bytes, model_weight_bytes
 
 
@@ -51,21 +52,15 @@ def available_memory(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    if dtype in ("float32", "fp32"):
-        return "float32"
-    if dtype in ("bfloat16", "bf16"):
-        return "bfloat16"
-    return "bfloat16" if fast_bf16_available(torch.device(device)) else "float32"
-
-
 def embed_memory_plan(model_dir: Path, config: ServerConfig) -> MemoryPlan:
     """Plan for `model_dir` under `config`; raises ConfigError when it cannot fit."""
     cfg = EncoderConfig.from_dir(model_dir)
     max_len = config.check_model_limits(cfg.max_input_length)
-    dtype = resolve_dtype(config.dtype, config.device)
-    bpe = 2 if dtype == "bfloat16" else 4
-    plan = MemoryPlan(dtype=dtype, weights=model_weight_bytes(model_dir, bpe),
+    precision = encoder_precision(config.dtype, config.device, fingerprint_dir(model_dir))
+    # int8 loads float32 weights first and quantizes them: budget float32 (and while the
+    # probe has not chosen, the widest candidate)
+    bpe = 2 if precision.dtype == "bfloat16" else 4
+    plan = MemoryPlan(dtype=precision.describe(), weights=model_weight_bytes(model_dir, bpe),
                       activations=activation_bytes(cfg, config.max_batch_tokens, max_len, bpe),
                       available=available_memory(config.device))
     if plan.headroom < 0:
@@ -109,7 +104,7 @@ def decode_memory_plan(model_dir: Path, config: ServerConfig, embed_bytes: int =
     from .models.llama import LlamaConfig
 
     cfg = LlamaConfig.from_dir(model_dir)
-    dtype = resolve_dtype(config.dtype, config.device)
+    dtype = decoder_precision(config.dtype, config.device)
     bpe = 2 if dtype == "bfloat16" else 4
     kv_bpe = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}.get(config.kv_cache_dtype, bpe)
     max_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)

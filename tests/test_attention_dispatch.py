@@ -4,7 +4,7 @@ that mix decodes and prefill chunks, with shuffled block tables."""
 import pytest
 import torch
 
-from embedserve.models.paged_attn import AttentionMetadata, paged_attention, store_kv
+from embedserve.models.attention_dispatch import AttentionMetadata, paged_attention, store_kv
 from kernels import reference
 
 

@@ -3,7 +3,7 @@
 On a GPU this dispatches to the Triton kernels (`kernels.attention_backend()`); on a CPU it
 runs a vectorized torch path — one gather of each sequence's cached K/V through its block
 table and one `scaled_dot_product_attention` for all decoding sequences, one per prefill
-chunk — that `tests/test_paged_attn.py` checks against `kernels.reference`.
+chunk — that `tests/test_attention_dispatch.py` checks against `kernels.reference`.
 
 The batch is ordered decodes first (one query token each), then prefill chunks:
 

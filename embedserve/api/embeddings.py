@@ -1,0 +1,166 @@
+"""POST /v1/embeddings: OpenAI's request and response shapes plus embedserve's extensions
+(`embedding_types`, `input_type`, `truncate`).
+
+`input` is validated by hand rather than by a pydantic union, so each error names the
+offending index and says what to change instead of listing four union branches.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from starlette.concurrency import run_in_threadpool
+
+from ..engine.batch_queue import EmbedRequest
+from ..errors import UnsupportedError, ValidationError
+from .common import embed_via_engine, parse_body
+from .state import AppState
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's fields plus embedserve's extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input: Any = Field(..., description="a string, a list of strings, a list of token ids, or a list of such lists")
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: str | None = Field(default=None, max_length=256)
+    # extensions
+    embedding_types: list[Literal["dense", "sparse", "colbert"]] | None = Field(default=None, min_length=1)
+    input_type: Literal["query", "passage"] | None = None
+    truncate: StrictBool = False
+
+
+def parse_inputs(raw: Any, max_inputs: int) -> tuple[list[str] | None, list[list[int]] | None]:
+    """Split `input` into texts or token-id lists, refusing anything ambiguous or empty."""
+    if isinstance(raw, str):
+        raw = [raw]
+        single = True
+    else:
+        single = False
+    if not isinstance(raw, list):
+        raise ValidationError("`input` must be a string, a list of strings, a list of token ids or a "
+                              f"list of token-id lists, not {type(raw).__name__}", param="input")
+    if not raw:
+        raise ValidationError("`input` is an empty list; send at least one text", param="input")
+    if len(raw) > max_inputs:
+        raise ValidationError(f"`input` has {len(raw)} items; the limit (--max-client-batch-size) is "
+                              f"{max_inputs}; split the request", param="input", code="too_many_inputs")
+    if all(isinstance(x, str) for x in raw):
+        for i, t in enumerate(raw):
+            if not t.strip():
+                where = "`input`" if single else f"input {i}"
+                raise ValidationError(f"{where} is an empty string; every input needs text", param="input")
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                where = "`input`" if single else f"input {i}"
+                raise ValidationError(f"{where} contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+                                      "send valid Unicode text", param="input") from None
+        return raw, None
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
+        return None, [raw]
+    if all(isinstance(x, list) for x in raw):
+        for i, ids in enumerate(raw):
+            if not ids:
+                raise ValidationError(f"input {i} is an empty token list", param="input")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValidationError(f"input {i} must be a list of integer token ids", param="input")
+        return None, raw
+    odd = next((i for i, x in enumerate(raw) if not isinstance(x, (str, int, list)) or isinstance(x, bool)), None)
+    if odd is not None:
+        raise ValidationError(f"input {odd} is a {type(raw[odd]).__name__}; inputs are strings, integer token "
+                              "ids or lists of token ids", param="input")
+    raise ValidationError("`input` mixes types; send all strings, or all token ids, or all token-id lists",
+                          param="input")
+
+
+def build_router(state: AppState) -> APIRouter:
+    """The embeddings route, bound to the app's state."""
+    router = APIRouter()
+
+    @router.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        body = await parse_body(request, EmbeddingRequest)
+        engine = state.require_embedder()
+        state.check_model(body.model)
+        want = _check_types(state, engine, body)
+        inputs = await _token_inputs(state, engine, body)
+        limit = engine.max_input_length
+        truncated = []
+        for i, ids in enumerate(inputs):
+            if len(ids) > limit:
+                if not body.truncate:
+                    raise ValidationError(f"input {i} has {len(ids):,} tokens; the limit is {limit:,}; send "
+                                          "shorter input or set truncate=true", param="input",
+                                          code="context_length_exceeded")
+                inputs[i] = engine.truncate(ids, limit)
+                truncated.append(i)
+        req = await embed_via_engine(state, inputs, want, request)
+        if req is None:
+            return Response(status_code=499)
+        payload = await run_in_threadpool(_render, req, body, state.served_name, truncated)
+        return Response(payload, media_type="application/json")
+
+    return router
+
+
+def _check_types(state: AppState, engine, body: EmbeddingRequest) -> set[str]:
+    """The embedding types to compute; refuses what this model cannot give."""
+    spec = engine.spec
+    if body.dimensions is not None and body.dimensions != spec.dim:
+        raise UnsupportedError(f"model {state.served_name!r} has {spec.dim} dimensions and was not "
+                               "trained to be shortened (Matryoshka); omit `dimensions`", param="dimensions")
+    want = set(body.embedding_types or ["dense"])
+    missing = sorted(want - engine.embedding_types)
+    if missing:
+        raise UnsupportedError(f"model {state.served_name!r} has no {' or '.join(missing)} head "
+                               "(a BGE-M3 directory with sparse_linear.pt / colbert_linear.pt has); "
+                               "request embedding_types=['dense']", param="embedding_types")
+    return want
+
+
+async def _token_inputs(state: AppState, engine, body: EmbeddingRequest) -> list[list[int]]:
+    """Token ids of every input (tokenized off the event loop), with the model's specials."""
+    texts, id_lists = parse_inputs(body.input, state.config.max_client_batch_size)
+    if texts is not None:
+        return await run_in_threadpool(engine.tokenize, texts, body.input_type)
+    if engine.has_prefix(body.input_type):
+        raise ValidationError("`input_type` adds a text prefix and cannot apply to token-id input; "
+                              "send text, or include the prefix tokens yourself", param="input_type")
+    vocab = engine.spec.vocab_size
+    for i, ids in enumerate(id_lists):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValidationError(f"input {i} has token id {bad}, outside this model's vocabulary "
+                                  f"[0, {vocab})", param="input")
+    return [engine.wrap_token_ids(ids) for ids in id_lists]
+
+
+def _render(req: EmbedRequest, body: EmbeddingRequest, name: str, truncated: list[int]) -> bytes:
+    data = []
+    b64 = body.encoding_format == "base64"
+    for i, out in enumerate(req.outputs):
+        item: dict = {"object": "embedding", "index": i}
+        if out.dense is not None:
+            v = out.dense.astype("<f4", copy=False)
+            item["embedding"] = base64.b64encode(v.tobytes()).decode("ascii") if b64 else v.tolist()
+        if out.sparse is not None:
+            ids, w = out.sparse
+            item["sparse_embedding"] = {"indices": ids.tolist(), "values": w.tolist()}
+        if out.colbert is not None:
+            item["colbert_embedding"] = out.colbert.astype(np.float32, copy=False).tolist()
+        data.append(item)
+    usage = {"prompt_tokens": req.num_tokens, "total_tokens": req.num_tokens}
+    if truncated:
+        usage["truncated_inputs"] = truncated
+    return json.dumps({"object": "list", "data": data, "model": name, "usage": usage},
+                      separators=(",", ":")).encode()

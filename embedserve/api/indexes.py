@@ -1,0 +1,235 @@
+"""Index routes: create / list / inspect / delete indexes, upsert and delete documents, search.
+
+The served model is the only model here: indexes are created bound to it, documents and
+queries are embedded by it (through the engine's batcher), and an index whose manifest does
+not match it is refused with 409. The upsert and search logic is the index library's own
+(`index.ops`), shared with the CLI; SQLite and FAISS work runs in the thread pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from starlette.concurrency import run_in_threadpool
+
+from index import ops
+from index.core import validate_documents
+from index.docstore import Document
+from index.embedder import DocumentVectors, document_types, query_types
+from index.live import mismatch
+from index.manifest import DenseConfig
+from index.search import DEFAULT_WEIGHTS, Query
+from index.store import check_name
+
+from ..embedders import ModelEmbedder, token_batches
+from ..errors import ValidationError
+from .common import embed_via_engine, parse_body
+from .state import AppState
+
+logger = logging.getLogger(__name__)
+
+
+class CreateIndexRequest(BaseModel):
+    """POST /v1/indexes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Any
+    model: str | None = None
+    dense: Literal["flat", "hnsw"] = "flat"
+    hnsw_m: StrictInt = 32
+    ef_construction: StrictInt = 200
+    ef_search: StrictInt = 128
+
+
+class DocumentIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(..., min_length=1, max_length=512)
+    text: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class UpsertRequest(BaseModel):
+    """POST /v1/indexes/{name}/documents."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    documents: list[DocumentIn] = Field(..., min_length=1)
+
+
+class DeleteDocumentsRequest(BaseModel):
+    """DELETE /v1/indexes/{name}/documents."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[str] = Field(..., min_length=1)
+
+
+class Weights(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dense: StrictFloat | StrictInt = 0.4
+    sparse: StrictFloat | StrictInt = 0.2
+
+
+class SearchRequest(BaseModel):
+    """POST /v1/search."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: Any
+    query: str = Field(..., min_length=1)
+    model: str | None = None
+    top_k: StrictInt = 10
+    mode: Literal["dense", "sparse", "hybrid"] = "dense"
+    fusion: Literal["weighted", "rrf"] | None = None
+    weights: Weights | None = None
+    filter: dict[str, Any] | None = None
+
+
+def _embedder(state: AppState) -> ModelEmbedder:
+    """The served model's conversions (texts -> index vectors), over the engine."""
+    engine = state.require_embedder()
+    return ModelEmbedder(engine, max_input_length=engine.max_input_length)
+
+
+async def _embed_documents(state: AppState, request: Request, texts: list[str]) -> DocumentVectors | None:
+    """Document vectors through the engine's batcher, in several engine requests when the
+    documents hold more tokens than the queue may; None if the client went away."""
+    emb = _embedder(state)
+    ids, cut = await run_in_threadpool(emb.passage_inputs, texts)
+    budget = max(state.config.max_batch_tokens, state.config.max_queued_tokens // 4)
+    outputs: list = []
+    for batch in token_batches([len(x) for x in ids], budget):
+        req = await embed_via_engine(state, [ids[i] for i in batch], document_types(emb.identity), request)
+        if req is None:
+            return None
+        outputs.extend(req.outputs)
+    return await run_in_threadpool(emb.document_vectors, outputs, texts, cut)
+
+
+async def _embed_query(state: AppState, request: Request, text: str, mode: str):
+    """(dense, sparse) of a query through the engine; None if the client went away."""
+    emb = _embedder(state)
+    want = query_types(emb.identity, mode)
+    out = None
+    if want:
+        ids = await run_in_threadpool(emb.query_inputs, text)
+        req = await embed_via_engine(state, [ids], want, request)
+        if req is None:
+            return None
+        out = req.outputs[0]
+    return await run_in_threadpool(emb.query_vectors, out, text, mode)
+
+
+def build_router(state: AppState) -> APIRouter:
+    """The index routes, bound to the app's state (engine, config, open indexes)."""
+    indexes = state.indexes
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        # Snapshot on the way out, so the next start replays little (nothing is lost without it).
+        await run_in_threadpool(indexes.close_all)
+
+    router = APIRouter(lifespan=lifespan)
+    bound = " and its indexes are bound to it"
+
+    @router.post("/v1/indexes", status_code=201)
+    async def create_index(request: Request):
+        body = await parse_body(request, CreateIndexRequest)
+        name = check_name(body.name)
+        ident = state.identity()
+        state.check_model(body.model, bound)
+        dense = DenseConfig(kind=body.dense, hnsw_m=body.hnsw_m, ef_construction=body.ef_construction,
+                            ef_search=body.ef_search)
+        info = await run_in_threadpool(indexes.create, name, ident, dense)
+        return JSONResponse(_index_object(info), status_code=201)
+
+    @router.get("/v1/indexes")
+    async def list_indexes():
+        ident = state.identity() if state.ready else None
+        rows = await run_in_threadpool(indexes.summaries, ident)
+        return {"object": "list", "data": [{"object": "index", **row} for row in rows]}
+
+    @router.get("/v1/indexes/{name}")
+    async def get_index(name: str):
+        check_name(name)
+        ix = await run_in_threadpool(indexes.get, name, None)
+        info = _index_object(await run_in_threadpool(ix.describe))
+        why = mismatch(ix.manifest, state.identity() if state.ready else None)
+        info["compatible"], info["mismatch"] = why is None, why
+        return info
+
+    @router.delete("/v1/indexes/{name}")
+    async def delete_index(name: str):
+        await run_in_threadpool(indexes.delete, check_name(name))
+        return {"object": "index.deleted", "name": name, "deleted": True}
+
+    _add_document_routes(router, state)
+    return router
+
+
+def _add_document_routes(router: APIRouter, state: AppState) -> None:
+    """Upsert and delete documents, and search: the routes that embed through the engine."""
+    indexes = state.indexes
+
+    @router.post("/v1/indexes/{name}/documents")
+    async def upsert_documents(name: str, request: Request):
+        check_name(name)
+        body = await parse_body(request, UpsertRequest)
+        ident = state.identity()
+        docs = [Document(d.id, d.text, d.metadata) for d in body.documents]
+        validate_documents(docs)
+        if len(docs) > state.config.max_client_batch_size:
+            raise ValidationError(f"{len(docs)} documents; the limit (--max-client-batch-size) is "
+                                  f"{state.config.max_client_batch_size}; split the upsert", param="documents")
+        ix = await run_in_threadpool(indexes.get, name, ident)
+        todo = await run_in_threadpool(ops.plan_upsert, ix, docs)
+        vectors = DocumentVectors([], [])
+        if todo:
+            vectors = await _embed_documents(state, request, [docs[i].text for i in todo])
+            if vectors is None:
+                return Response(status_code=499)
+        result = await run_in_threadpool(ops.commit_upsert, ix, docs, todo, vectors, ident)
+        return {"object": "index.upsert", **result.to_dict()}
+
+    @router.delete("/v1/indexes/{name}/documents")
+    async def delete_documents(name: str, request: Request):
+        check_name(name)
+        body = await parse_body(request, DeleteDocumentsRequest)
+        ident = state.identity() if state.ready else None
+        ix = await run_in_threadpool(indexes.get, name, ident)
+        change = await run_in_threadpool(ix.delete, body.ids, ident)
+        missing = [k for k, v in change.outcomes.items() if v == "missing"]
+        return {"object": "index.delete", "index": name, "version": ix.version,
+                "deleted": len(change.outcomes) - len(missing), "missing": missing, "sequence": change.seq}
+
+    @router.post("/v1/search")
+    async def search(request: Request):
+        body = await parse_body(request, SearchRequest)
+        name = check_name(body.index)
+        ident = state.identity()
+        state.check_model(body.model, " and its indexes are bound to it")
+        if not body.query.strip():
+            raise ValidationError("`query` is blank; send the text to search for", param="query")
+        ix = await run_in_threadpool(indexes.get, name, ident)
+        vectors = await _embed_query(state, request, body.query, body.mode)
+        if vectors is None:
+            return Response(status_code=499)
+        weights = (body.weights.dense, body.weights.sparse) if body.weights else DEFAULT_WEIGHTS
+        query = Query(dense=vectors[0], sparse=vectors[1], top_k=body.top_k, mode=body.mode, fusion=body.fusion,
+                      weights=weights, filter=body.filter)
+        hits = await run_in_threadpool(ix.search, query, ident)
+        return {"object": "list", "index": name, "version": ix.version, "model": state.served_name,
+                "mode": body.mode, "data": [h.to_dict() for h in hits]}
+
+
+def _index_object(info: dict) -> dict:
+    return {"object": "index", "name": info["index"], **info}

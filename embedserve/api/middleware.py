@@ -1,0 +1,77 @@
+"""Pure ASGI middleware: bearer-token auth, a hard body-size cap (413), per-route metrics."""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from ..errors import AuthenticationError, EmbedServeError, PayloadTooLargeError
+from .errors import error_response, status_for
+from .state import AppState
+
+_OPEN_PATHS = ("/health", "/ready")
+
+
+class GuardMiddleware:
+    """Pure ASGI: bearer-token auth, a hard body-size cap (413), per-route metrics."""
+
+    def __init__(self, app, state: AppState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state, path = self.state, scope["path"]
+        t0 = time.perf_counter()
+        status_box = {"status": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status_box["status"] = message["status"]
+            await send(message)
+
+        async def reply(exc: EmbedServeError):
+            state.metrics.errors.labels(type=status_for(exc)[1]).inc()
+            await error_response(exc)(scope, receive, send_wrapper)
+
+        try:
+            key = state.config.api_key
+            if key and path not in _OPEN_PATHS:
+                headers = dict(scope["headers"])
+                auth = headers.get(b"authorization", b"").decode("latin-1")
+                token = auth[7:] if auth[:7].lower() == "bearer " else ""
+                if not hmac.compare_digest(token.encode(), key.encode()):
+                    return await reply(AuthenticationError(
+                        "missing or wrong API key; send `Authorization: Bearer <key>`"))
+            limit = state.config.max_body_bytes
+            length = dict(scope["headers"]).get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                return await reply(PayloadTooLargeError(
+                    f"request body is {int(length)} bytes; the limit (--max-body-bytes) is {limit}"))
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                # Read the body here, capped, so an unannounced (chunked) large body is refused too.
+                chunks, size = [], 0
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return
+                    body = msg.get("body", b"")
+                    size += len(body)
+                    if size > limit:
+                        return await reply(PayloadTooLargeError(
+                            f"request body exceeds the limit (--max-body-bytes) of {limit} bytes"))
+                    chunks.append(body)
+                    if not msg.get("more_body"):
+                        break
+                replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+                async def replay_receive():
+                    return replay.pop() if replay else await receive()
+
+                return await self.app(scope, replay_receive, send_wrapper)
+            return await self.app(scope, receive, send_wrapper)
+        finally:
+            route = path if path.startswith(("/v1/", "/health", "/ready", "/metrics")) else "other"
+            state.metrics.requests.labels(route=route, status=str(status_box["status"])).inc()
+            state.metrics.latency.labels(route=route).observe(time.perf_counter() - t0)

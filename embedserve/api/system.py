@@ -1,0 +1,55 @@
+"""Operational routes: /health (alive), /ready (models loaded and warm), /metrics, /v1/models."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..errors import UnavailableError
+from .errors import error_response
+from .state import AppState
+
+
+def build_router(state: AppState) -> APIRouter:
+    """The operational routes, bound to the app's state."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health():
+        if state.embedder is not None and not state.embedder.health():
+            return error_response(UnavailableError("the embedding engine thread has stopped"))
+        if state.generator is not None and not state.generator.health():
+            return error_response(UnavailableError("the generation engine thread has stopped"))
+        return {"status": "ok"}
+
+    @router.get("/ready")
+    async def ready():
+        if state.ready:
+            return {"status": "ready", "model": state.served_name}
+        if state.load_error:
+            return error_response(UnavailableError(f"model failed to load: {state.load_error}"))
+        return error_response(UnavailableError("model is loading", retry_after=5))
+
+    @router.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/v1/models")
+    async def models():
+        data = []
+        if state.ready and state.embedder is not None:
+            eng = state.embedder
+            spec = eng.spec
+            data.append({"id": state.served_name, "object": "model", "created": state.created,
+                         "owned_by": "embedserve", "dimensions": spec.dim,
+                         "max_input_length": eng.max_input_length, "pooling": spec.pooling,
+                         "embedding_types": ["dense"] + sorted(eng.embedding_types - {"dense"}),
+                         "dtype": spec.dtype})
+        if state.generator is not None:
+            g = state.generator
+            data.append({"id": g.name, "object": "model", "created": state.created, "owned_by": "embedserve",
+                         "max_model_len": g.max_model_len, "task": "generate"})
+        return {"object": "list", "data": data}
+
+    return router

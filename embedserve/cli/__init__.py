@@ -1,0 +1,38 @@
+"""`embedserve` command line: serve, plan, bench, index (vLLM-style flags, EMBEDSERVE_* fallbacks).
+
+One module per group of subcommands: `serve` (serve, plan), `index`; `bench` owns its flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import index as index_cmds, serve as serve_cmds
+
+    p = argparse.ArgumentParser(prog="embedserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    serve_cmds.register(sub)
+    # dispatched in main() before parsing; listed here for the help text
+    sub.add_parser("bench", help="embedding throughput benchmark: ours over HTTP vs sentence-transformers "
+                   "(`embedserve bench --help`)", add_help=False)
+    index_cmds.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # the benchmark owns all of its flags, --help included
+        from ..bench.embed_bench import main as bench_main
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"embedserve: error: {exc}", file=sys.stderr)
+        return 2
+

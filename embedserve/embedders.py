@@ -1,0 +1,105 @@
+"""The model side of the index's `Embedder` protocol: texts -> the vectors an index stores,
+with the model's own conventions.
+
+Documents are embedded as `passage` and queries as `query` (the model's prefixes); a document
+over the input limit is truncated, never refused. The lexical side is the model's sparse head
+where it has one, else the term counts of the text under the model's tokenizer (no prefix,
+special tokens dropped) for BM25. `ModelEmbedder` works over an `EmbeddingModel` or an
+`EmbedEngine` (which exposes the same tokenizer methods); in process it batches by tokens, and
+the HTTP layer runs the same conversions around the engine's batcher.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from index.docstore import Sparse
+from index.embedder import DocumentVectors, document_types, query_types
+from index.manifest import ModelIdentity
+
+
+def token_batches(lengths: list[int], budget: int, order: list[int] | None = None) -> list[list[int]]:
+    """Positions grouped, in `order` (default: as given), into runs of at most `budget` tokens
+    (a single longer item gets a run of its own)."""
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    tokens = 0
+    for i in (order if order is not None else range(len(lengths))):
+        if batch and tokens + lengths[i] > budget:
+            batches.append(batch)
+            batch, tokens = [], 0
+        batch.append(i)
+        tokens += lengths[i]
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+class ModelEmbedder:
+    """`index.Embedder` over an embedding model (documents in length-sorted token batches)."""
+
+    def __init__(self, model, *, max_input_length: int | None = None, batch_tokens: int = 4096):
+        self.model = model
+        self.limit = max_input_length or model.max_input_length
+        self.batch_tokens = batch_tokens
+        self.identity = ModelIdentity.from_spec(model.spec)
+
+    # ------------------------------------------------------ conversions (shared with HTTP)
+    def passage_inputs(self, texts: list[str]) -> tuple[list[list[int]], list[int]]:
+        """Token ids of documents (passage prefix), truncated to the limit; and which were cut."""
+        ids = self.model.tokenize(texts, "passage")
+        cut = [i for i, x in enumerate(ids) if len(x) > self.limit]
+        for i in cut:
+            ids[i] = self.model.truncate(ids[i], self.limit)
+        return ids, cut
+
+    def query_inputs(self, text: str) -> list[int]:
+        """Token ids of a query (query prefix), truncated to the limit."""
+        return self.model.truncate(self.model.tokenize([text], "query")[0], self.limit)
+
+    def lexical_terms(self, texts: list[str]) -> list[Sparse]:
+        """BM25's side: (unique token ids, their counts) of each raw text, special tokens dropped."""
+        special = np.array(sorted(self.model.special_ids), dtype=np.int64)
+        out = []
+        for ids in self.model.tokenize(texts, None):
+            arr = np.asarray(ids, dtype=np.int64)
+            uniq, counts = np.unique(arr[~np.isin(arr, special)], return_counts=True)
+            out.append((uniq, counts.astype(np.float32)))
+        return out
+
+    def document_vectors(self, outputs: list, texts: list[str], cut: list[int]) -> DocumentVectors:
+        """Index vectors from the model's outputs (`EmbedOutput`s) for `texts`."""
+        dense = [np.asarray(o.dense, dtype=np.float32) for o in outputs]
+        if self.identity.has_sparse:
+            sparse = [(np.asarray(o.sparse[0], np.int64), np.asarray(o.sparse[1], np.float32)) for o in outputs]
+        else:
+            sparse = self.lexical_terms(texts)
+        return DocumentVectors(dense, sparse, cut)
+
+    def query_vectors(self, out, text: str, mode: str) -> tuple[np.ndarray | None, Sparse | None]:
+        """The query's dense vector and lexical terms from its output (None if `mode` needs no model)."""
+        dense = None if out is None or out.dense is None else np.asarray(out.dense, np.float32)
+        sparse = None
+        if mode != "dense":
+            if self.identity.has_sparse:
+                sparse = (np.asarray(out.sparse[0], np.int64), np.asarray(out.sparse[1], np.float32))
+            else:
+                sparse = self.lexical_terms([text])[0]
+        return dense, sparse
+
+    # ------------------------------------------------------ index.Embedder, in process
+    def embed_documents(self, texts: list[str]) -> DocumentVectors:
+        ids, cut = self.passage_inputs(texts)
+        lengths = [len(x) for x in ids]
+        outputs: list = [None] * len(ids)
+        want = document_types(self.identity)
+        for batch in token_batches(lengths, self.batch_tokens, sorted(range(len(ids)), key=lengths.__getitem__)):
+            outs, _ = self.model.embed([ids[i] for i in batch], want)
+            for i, o in zip(batch, outs):
+                outputs[i] = o
+        return self.document_vectors(outputs, texts, cut)
+
+    def embed_query(self, text: str, mode: str) -> tuple[np.ndarray | None, Sparse | None]:
+        want = query_types(self.identity, mode)
+        out = self.model.embed([self.query_inputs(text)], want)[0][0] if want else None
+        return self.query_vectors(out, text, mode)

@@ -1,0 +1,111 @@
+"""The wiring: build the engines a `ServerConfig` asks for, attach them to the app's state,
+and run the server. It sits above both the HTTP layer (`api/`) and the engines (`engine/`),
+which know nothing of each other's construction."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+from fastapi import FastAPI
+
+from kernels import check_kv_cache_dtype
+
+from .api.app import create_app
+from .api.state import AppState
+from .config import ServerConfig
+from .engine.decode_engine import DecodeEngine, DecodeEngineConfig
+from .engine.embed_engine import EmbedEngine, EmbedEngineConfig
+from .engine.generator import Generator
+from .errors import ConfigError
+from .memory_plan import KVCachePlan, decode_memory_plan
+from .models.embedding_model import EmbeddingModel
+from .models.llama import LlamaModel
+from .models.registry import resolve_generate_model
+
+logger = logging.getLogger(__name__)
+
+
+def build_embed_engine(cfg: ServerConfig, model: EmbeddingModel, metrics=None) -> EmbedEngine:
+    """Check the model against the limits, warm it up, and start its engine thread."""
+    max_input_length = cfg.check_model_limits(model.max_input_length)
+    model.embed(model.tokenize(["warm-up", "预热 " * 64]), model.spec.embedding_types)
+    engine = EmbedEngine(model, EmbedEngineConfig(
+        max_batch_tokens=cfg.max_batch_tokens, max_batch_size=cfg.max_batch_size,
+        max_queued_tokens=cfg.max_queued_tokens, max_concurrent_requests=cfg.max_concurrent_requests,
+        max_input_length=max_input_length), metrics)
+    engine.start()
+    return engine
+
+
+def attach_embedder(state: AppState, model: EmbeddingModel) -> None:
+    """Start the embedding engine for `model` and mark the server ready."""
+    state.embedder = build_embed_engine(state.config, model, state.metrics)
+    state.ready = True
+    logger.info("model %s ready (%s, dim %d, max input %d tokens)", state.served_name, model.spec.dtype,
+                model.spec.dim, state.embedder.max_input_length)
+
+
+def attach_generator(state: AppState, gen: Generator) -> None:
+    gen.start(state.metrics)
+    state.generator = gen
+
+
+def build_app(config: ServerConfig, model: EmbeddingModel | None = None,
+              loader: Callable[[], EmbeddingModel] | None = None,
+              on_load_error: Callable[[BaseException], None] | None = None,
+              generator: Generator | None = None, gen_loader: Callable[[], Generator] | None = None) -> FastAPI:
+    """The server app. Pass a loaded `model` (and `generator`), or loaders run on a thread at
+    start-up (the server answers /health at once; /ready turns 200 once all models are warm)."""
+
+    def load(state: AppState) -> None:
+        try:
+            if gen_loader is not None:
+                attach_generator(state, gen_loader())
+            attach_embedder(state, loader())
+        except BaseException as exc:  # reported through /ready and the callback
+            logger.exception("model failed to load")
+            state.load_error = f"{type(exc).__name__}: {exc}"
+            if on_load_error:
+                on_load_error(exc)
+
+    def start(state: AppState) -> None:
+        if generator is not None:
+            attach_generator(state, generator)
+        if model is not None:
+            attach_embedder(state, model)
+        elif loader is not None:
+            threading.Thread(target=load, args=(state,), name="model-loader", daemon=True).start()
+
+    return create_app(AppState(config=config), start)
+
+
+def plan_generator(cfg: ServerConfig, embed_bytes: int = 0) -> tuple[str, Path, KVCachePlan]:
+    """(name, path, plan) for the configured decoder, without loading weights."""
+    try:
+        check_kv_cache_dtype(cfg.kv_cache_dtype, torch.device(cfg.device))
+    except ValueError as exc:
+        raise ConfigError(f"--kv-cache-dtype: {exc}") from None
+    name, path = resolve_generate_model(cfg.generate_model)
+    return name, path, decode_memory_plan(path, cfg, embed_bytes)
+
+
+def load_generator(cfg: ServerConfig, name: str, path: Path, plan: KVCachePlan) -> Generator:
+    """Load weights and tokenizer and build a (not yet started) decoder."""
+    from transformers import AutoTokenizer
+
+    dtype = torch.bfloat16 if plan.dtype == "bfloat16" else torch.float32
+    model = LlamaModel.from_dir(path, dtype=dtype, device=cfg.device)
+    kv_dtype = check_kv_cache_dtype(cfg.kv_cache_dtype, torch.device(cfg.device), dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    engine = DecodeEngine(model, tokenizer, DecodeEngineConfig(
+        num_blocks=plan.num_blocks, block_size=cfg.block_size, max_model_len=plan.max_model_len,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
+        kv_cache_dtype=kv_dtype))
+    logger.info("generation model %s loaded (%s, %d KV blocks of %d tokens)", name, plan.dtype,
+                plan.num_blocks, cfg.block_size)
+    return Generator(name=name, engine=engine, tokenizer=tokenizer)

@@ -1,0 +1,45 @@
+"""The index library's own errors. Each says what to change; `param` names the offending field
+and `code` is a stable machine-readable reason. A service maps these kinds to its own statuses
+(embedserve's HTTP layer: invalid 400, not found 404, conflict 409, corrupt 500)."""
+
+from __future__ import annotations
+
+
+class DescribedError(Exception):
+    """An error a user can act on: `message` says what to change, `param` names the offending
+    field, `code` is a stable machine-readable reason. (embedserve's own errors build on it.)"""
+
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class IndexLibraryError(DescribedError):
+    """Base class of every error the index library raises on purpose."""
+
+
+class ValidationError(IndexLibraryError):
+    """Bad input: a name, a document, a query or a setting that cannot be used as given."""
+
+
+class NotFoundError(IndexLibraryError):
+    """No such index or version."""
+
+    code = "index_not_found"
+
+
+class ConflictError(IndexLibraryError):
+    """A write or search that would mix vectors of two models (manifest mismatch), or a name taken."""
+
+    code = "manifest_mismatch"
+
+
+class IndexCorruptError(IndexLibraryError):
+    """An index's files are unreadable or inconsistent in a way replay cannot repair."""
+
+    code = "index_corrupt"
