@@ -38,10 +38,13 @@ def prompt_ids(smollm2):
 
 @pytest.fixture(scope="module")
 def reference(smollm2_dir, smollm2, prompt_ids):
+    return _hf_greedy(smollm2_dir, smollm2[1], prompt_ids, torch.float32)
+
+
+def _hf_greedy(smollm2_dir, tok, prompt_ids, dtype):
     """HF greedy tokens (up to and including EOS) and per-step raw logits, all prompts in one
     left-padded batch."""
-    _, tok = smollm2
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=dtype).eval()
     eos = hf.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -59,11 +62,13 @@ def reference(smollm2_dir, smollm2, prompt_ids):
     return refs
 
 
-def _check(ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], label: str):
+def _check(ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], label: str,
+           tie: float = TIE):
     for t, (a, b) in enumerate(zip(ours, ref_tokens)):
         if a != b:
             gap = abs(float(ref_logits[t][a]) - float(ref_logits[t][b]))
-            assert gap <= TIE, f"{label}: step {t} chose {a}, reference {b}, logit gap {gap:.2e} is no tie"
+            print(f"{label}: parts at step {t}, reference logit gap {gap:.3g}")
+            assert gap <= tie, f"{label}: step {t} chose {a}, reference {b}, logit gap {gap:.2e} is no tie"
             return "tie"
     assert len(ours) == len(ref_tokens), f"{label}: {len(ours)} tokens vs the reference's {len(ref_tokens)}"
     return "equal"
@@ -103,3 +108,32 @@ def test_prefix_cache_hit_reuses_blocks_and_is_exact(smollm2, prompt_ids, refere
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens >= 16 * ((len(prompt_ids[15]) - 40) // 16)
     _check(second.completion_ids, *reference[16], "prefix-hit")
+
+
+# bf16 keeps 8 significant bits: a logit near 20 is stored to within 0.0625, and the two sides
+# round different partial sums (HF's eager attention and matmul order vs our paged path), so
+# a near-tie in bf16 is a few of those steps.
+TIE_BF16 = 0.25
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_dir, smollm2):
+    from embedserve.models.llama import LlamaModel
+    return LlamaModel.from_dir(smollm2_dir, dtype=torch.bfloat16), smollm2[1]
+
+
+def test_greedy_bf16_equals_hf_generate_bf16(smollm2_dir, smollm2_bf16, prompt_ids):
+    """Where `auto` picks bf16 for the decoder, greedy output equals HF `generate` run in bf16 on
+    the same weights, by the same near-tie rule at bf16's resolution: every departure is at a
+    step where the reference's two candidates are within TIE_BF16. bf16 logits tie *exactly*
+    often (measured: 11 of 20 prompts part, 6 of them at a gap of exactly 0, the rest at
+    0.125-0.25), so fewer runs are equal to the end than in fp32; the floor below only guards
+    against a path that departs early everywhere."""
+    refs = _hf_greedy(smollm2_dir, smollm2_bf16[1], prompt_ids, torch.bfloat16)
+    eng = make_decode_engine(smollm2_bf16)
+    seqs = eng.generate(prompt_ids, _greedy())
+    verdicts = []
+    for i, (s, (toks, logits)) in enumerate(zip(seqs, refs)):
+        verdicts.append(_check(s.completion_ids, toks, logits, f"bf16 prompt {i}", tie=TIE_BF16))
+    assert verdicts.count("equal") >= len(verdicts) // 3, verdicts
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks

@@ -4,8 +4,9 @@ One run, one model, one fixed corpus of mixed-length texts:
   * ours-1x32     our server, 32 concurrent clients, one text per request
   * ours-32x8     our server, 8 concurrent clients, 32 texts per request
   * st            sentence-transformers `encode(batch_size=32)` in-process (no HTTP)
-each in fp32, and in bf16 on a (smaller) slice of the corpus. Writes a JSON result file and
-prints a table. Run it alone: the machine's cores are the thing being measured.
+each in fp32, in bf16 (the whole corpus where the CPU has fast bf16, else a slice: emulated bf16
+is slow) and, ours only, in int8 (sentence-transformers has no int8 path; its fp32 is the peer).
+Writes a JSON result file and prints a table. Run it alone: the machine's cores are the thing being measured.
 
     python -m embedserve.bench.embed_bench --out embedserve/bench/results/embed.json
 """
@@ -70,7 +71,8 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "embedserve.cli", "serve", "--model", model, "--dtype", dtype,
              "--port", str(self.port), "--max-batch-tokens", str(max_batch_tokens),
-             "--max-concurrent-requests", "4096", "--max-queued-tokens", "4000000", "--log-level", "warning"],
+             "--max-concurrent-requests", "4096", "--max-queued-tokens", "4000000", "--log-level", "warning",
+             "--generate-model", "none"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.base = f"http://127.0.0.1:{self.port}"
 
@@ -145,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--texts", type=int, default=2000, help="corpus size for the fp32 runs")
     ap.add_argument("--bf16-texts", type=int, default=400,
                     help="corpus slice for the bf16 runs (0 to skip; bf16 is emulated, slow, on CPUs without AVX512-BF16/AMX)")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int8", help="comma-separated precisions to run")
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
     ap.add_argument("--out", default="embedserve/bench/results/embed.json")
     args = ap.parse_args(argv)
@@ -170,20 +173,25 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M")}
     print(json.dumps(meta))
     rows = []
-    for dtype, n in (("float32", len(corpus)), ("bfloat16", min(args.bf16_texts, len(corpus)))):
+    sizes = {"float32": len(corpus), "int8": len(corpus),
+             "bfloat16": len(corpus) if meta["fast_bf16"] else min(args.bf16_texts, len(corpus))}
+    for dtype in args.dtypes.split(","):
+        n = sizes[dtype]
         if n == 0:
             continue
         texts, tokens = corpus[:n], int(sum(lens[:n]))
         # peer first, then ours, each alone on the machine
-        for row in [run_st(path, dtype, texts)] + run_ours(args.model, path, dtype, texts, args.max_batch_tokens):
+        peer = [run_st(path, dtype, texts)] if dtype != "int8" else []
+        for row in peer + run_ours(args.model, path, dtype, texts, args.max_batch_tokens):
             row.update(texts=n, tokens=tokens, tokens_per_s=tokens / row["wall_s"], texts_per_s=n / row["wall_s"])
             rows.append(row)
             print(f"{row['system']:<44} {dtype:<9} {row['tokens_per_s']:>9.0f} tok/s {row['texts_per_s']:>8.1f} texts/s"
                   + (f"  p50 {row['p50_ms']:.0f} ms  p99 {row['p99_ms']:.0f} ms" if row["p50_ms"] else ""), flush=True)
     st_fp32 = next(r for r in rows if r["system"].startswith("sentence") and r["dtype"] == "float32")["tokens_per_s"]
     for r in rows:
-        peer = next(p for p in rows if p["system"].startswith("sentence") and p["dtype"] == r["dtype"])
-        r["ratio_vs_st_same_dtype"] = r["tokens_per_s"] / peer["tokens_per_s"]
+        peer = next((p for p in rows if p["system"].startswith("sentence") and p["dtype"] == r["dtype"]
+                     and p["texts"] == r["texts"]), None)
+        r["ratio_vs_st_same_dtype"] = r["tokens_per_s"] / peer["tokens_per_s"] if peer else None
         r["ratio_vs_st_fp32"] = r["tokens_per_s"] / st_fp32
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -194,9 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         p50 = f"{r['p50_ms']:.0f}" if r["p50_ms"] else "–"
         p99 = f"{r['p99_ms']:.0f}" if r["p99_ms"] else "–"
         print(f"| {r['system']} | {r['dtype']} | {r['texts']} | {r['tokens_per_s']:.0f} | {r['texts_per_s']:.1f} | "
-              f"{p50} | {p99} | {r['ratio_vs_st_same_dtype']:.2f} | {r['ratio_vs_st_fp32']:.2f} |")
+              f"{p50} | {p99} | {_ratio(r['ratio_vs_st_same_dtype'])} | {r['ratio_vs_st_fp32']:.2f} |")
     print(f"\nresults written to {out}")
     return 0
+
+
+def _ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
 
 
 if __name__ == "__main__":

@@ -220,7 +220,6 @@ class EmbeddingModel:
             else:
                 result.min_cosine[dtype] = _min_cosine(ref, dense)
             result.tokens_per_s[dtype] = _tokens_per_s(lambda: self._embed_with(enc, batch, {"dense"}), batch)
-
         return result
 
     def agreement(self, dtype: str, texts: list[str] | None = None) -> float:
