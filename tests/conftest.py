@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import httpx
 
 import pytest
 import torch
@@ -82,3 +88,48 @@ def make_decode_engine(smollm2, **kw):
                max_num_seqs=64, enable_prefix_caching=True, enable_chunked_prefill=True)
     cfg.update(kw)
     return DecodeEngine(model, tok, DecodeEngineConfig(**cfg))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server_index_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("server-indexes")
+
+
+@pytest.fixture(scope="session")
+def server(e5_dir, server_index_dir):
+    """The real server on a free port with the default models (float32: tests compare with fp32
+    references), shared by the SDK, client, compatibility and examples tests."""
+    port = _free_port()
+    env = dict(os.environ, EMBEDSERVE_THREADS="2")
+    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port),
+                             "--dtype", "float32", "--max-batch-tokens", "4096", "--log-level", "warning",
+                             "--kv-cache-memory", "300000000", "--max-model-len", "2048",
+                             "--index-dir", str(server_index_dir)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + proc.stdout.read())
+            try:
+                if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            raise RuntimeError("server never became ready")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()

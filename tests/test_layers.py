@@ -31,23 +31,22 @@ def _imports(path: Path, module: str) -> set[str]:
                 prefix = ".".join(base + ([node.module] if node.module else []))
             else:
                 prefix = node.module or ""
-            # `from pkg import mod` imports pkg.mod when that is a module of ours
-            names = [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+            # `from pkg import mod` imports pkg.mod when that is a module of ours, else names in pkg
+            subs = [f"{prefix}.{a.name}" for a in node.names]
+            names = [n for n in subs if n in MODULES]
+            if len(names) < len(subs):
+                names.append(prefix)
         else:
             continue
         found.update(n for n in names if n.split(".")[0] in PACKAGES)
     return found
 
 
+MODULES = {_module_name(path): path for pkg in PACKAGES for path in (ROOT / pkg).rglob("*.py")}
+
+
 def _graph() -> dict[str, set[str]]:
-    modules = {}
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
-            modules[_module_name(path)] = path
-    graph = {}
-    for name, path in modules.items():
-        graph[name] = {m for m in _imports(path, name) if m in modules and m != name}
-    return graph
+    return {name: {m for m in _imports(path, name) if m in MODULES and m != name} for name, path in MODULES.items()}
 
 
 GRAPH = _graph()

@@ -3,10 +3,6 @@ unmodified `openai` SDK and concurrent raw HTTP clients."""
 
 import asyncio
 import base64
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -18,44 +14,6 @@ from conftest import TEXTS_EN_ZH_FR
 
 pytestmark = pytest.mark.slow
 MODEL = "multilingual-e5-small"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(e5_dir):
-    port = _free_port()
-    env = dict(os.environ, EMBEDSERVE_THREADS="2")
-    # float32 pinned: these tests compare with fp32 references (bf16 and int8: test_precision.py)
-    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port),
-                             "--dtype", "float32", "--max-batch-tokens", "4096", "--log-level", "warning",
-                             "--kv-cache-memory", "300000000", "--max-model-len", "2048"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    try:
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + proc.stdout.read())
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise RuntimeError("server never became ready")
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

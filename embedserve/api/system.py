@@ -45,7 +45,7 @@ def build_router(state: AppState) -> APIRouter:
                          "owned_by": "embedserve", "dimensions": spec.dim,
                          "max_input_length": eng.max_input_length, "pooling": spec.pooling,
                          "embedding_types": ["dense"] + sorted(eng.embedding_types - {"dense"}),
-                         "dtype": spec.dtype})
+                         "dtype": spec.dtype, "limits": _limits(state)})
         if state.generator is not None:
             g = state.generator
             data.append({"id": g.name, "object": "model", "created": state.created, "owned_by": "embedserve",
@@ -53,3 +53,11 @@ def build_router(state: AppState) -> APIRouter:
         return {"object": "list", "data": data}
 
     return router
+
+
+def _limits(state: AppState) -> dict:
+    """What a client must stay under (embedserve.client splits its requests by these)."""
+    cfg = state.config
+    return {"max_client_batch_size": cfg.max_client_batch_size, "max_batch_tokens": cfg.max_batch_tokens,
+            "max_queued_tokens": cfg.max_queued_tokens, "max_body_bytes": cfg.max_body_bytes,
+            "max_input_length": state.embedder.max_input_length}

@@ -58,6 +58,10 @@ def register(subparsers) -> None:
     c.add_argument("files", nargs="+", type=Path)
     model_flags(c)
     c.add_argument("--batch-size", type=int, default=256, help="documents per committed upsert")
+    c.add_argument("--server", default=os.environ.get("EMBEDSERVE_URL"),
+                   help="send the documents to a running server (embedserve.client's ingest: the server's "
+                        "model and index root) instead of embedding in this process [env EMBEDSERVE_URL]")
+    c.add_argument("--start", type=int, default=0, help="with --server: document offset to resume from")
 
     c = cmd("search", cmd_search, "search an index")
     c.add_argument("name")
@@ -153,23 +157,22 @@ def cmd_info(args) -> int:
 def _read_documents(files: list[Path]):
     """Documents from JSONL lines ({id, text, metadata}) or whole text files (id = the path)."""
     from index.docstore import Document
+
+    from ..client.ingest import read_jsonl
     for path in files:
         if path.suffix in (".jsonl", ".ndjson"):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                        yield Document(str(obj["id"]), obj["text"], obj.get("metadata") or {})
-                    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                        raise ValidationError(f"{path}:{n}: each line must be a JSON object with `id` and `text` "
-                                              f"({exc})") from None
+            try:
+                for obj in read_jsonl(path):
+                    yield Document(obj["id"], obj["text"], obj["metadata"])
+            except ValueError as exc:
+                raise ValidationError(str(exc)) from None
         else:
             yield Document(str(path), path.read_text(encoding="utf-8"), {"source": str(path)})
 
 
 def cmd_add(args) -> int:
+    if args.server:
+        return _add_via_server(args)
     from tqdm import tqdm
 
     from index.ops import upsert_documents
@@ -191,6 +194,19 @@ def cmd_add(args) -> int:
         counts = ix.counts()
     _print({"index": args.name, **tally, "truncated": truncated, "counts": counts})
     return 0
+
+
+def _add_via_server(args) -> int:
+    """The client's ingest: the same upsert path every ingestion job uses."""
+    from ..client import Client, EmbedServeClientError
+    docs = ({"id": d.id, "text": d.text, "metadata": d.metadata} for d in _read_documents(args.files))
+    try:
+        with Client(args.server) as client:
+            summary = client.ingest(args.name, docs, start=args.start, max_docs=args.batch_size)
+    except EmbedServeClientError as exc:
+        raise ValidationError(f"{args.server}: {exc}") from None
+    _print(summary.to_dict())
+    return 1 if summary.failed else 0
 
 
 def cmd_search(args) -> int:
