@@ -21,11 +21,12 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import ConflictError, ValidationError
+from .errors import ConflictError, RetiredError, ValidationError
 
 logger = logging.getLogger(__name__)
 
 DB_NAME = "docs.sqlite"
+RETIRED = "RETIRED"          # in a version directory: a migration replaced it; no more writes
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (
@@ -136,6 +137,7 @@ class DocStore:
         must be unchanged (callers skip embedding those)."""
         now = time.time()
         with self._transaction() as cur:
+            self._refuse_if_retired()
             seq = self._meta("seq")
             change = Change(base=seq, seq=seq)
             for doc, d, s in zip(docs, dense, sparse):
@@ -175,6 +177,7 @@ class DocStore:
     def delete(self, ext_ids: list[str]) -> Change:
         """Delete documents by external id, in one transaction; unknown ids are reported as missing."""
         with self._transaction() as cur:
+            self._refuse_if_retired()
             seq = self._meta("seq")
             change = Change(base=seq, seq=seq)
             for ext_id in ext_ids:
@@ -199,6 +202,14 @@ class DocStore:
 
     def _transaction(self):
         return _Transaction(self.conn)
+
+    def _refuse_if_retired(self) -> None:
+        """Inside a write transaction (the version's write lock is held): a version a migration
+        replaced takes no more writes; the writer retries against the live one."""
+        marker = self.path.parent / RETIRED
+        if marker.exists():
+            raise RetiredError(f"this index version was replaced by {marker.read_text().strip()}; retry the "
+                               "write (it goes to the live version)", code="version_retired")
 
     def reading(self):
         """A read transaction: every read inside sees one committed state (WAL snapshot)."""
@@ -280,6 +291,17 @@ class DocStore:
                 return
             yield [(r[0], r[1], r[2], r[3], _f32(r[4]), _sparse(r[5], r[6])) for r in rows]
             last = rows[-1][0]
+
+    def documents_after(self, label: int, limit: int = 1024) -> list[tuple[int, Document]]:
+        """(label, document) of live documents written after `label`, in write order (a reindex
+        reads the live version by these, so a rerun or a catch-up continues where it stopped)."""
+        rows = self.conn.execute("SELECT label, ext_id, text, metadata FROM docs WHERE label > ? ORDER BY label "
+                                 "LIMIT ?", (label, limit)).fetchall()
+        return [(r[0], Document(r[1], r[2], json.loads(r[3]))) for r in rows]
+
+    def fingerprints(self) -> dict[str, tuple[str, str]]:
+        """ext id -> (content hash, metadata JSON) of every live document (catch-up compares these)."""
+        return {r[0]: (r[1], r[2]) for r in self.conn.execute("SELECT ext_id, content_hash, metadata FROM docs")}
 
     def integrity(self) -> str:
         return self.conn.execute("PRAGMA quick_check").fetchone()[0]

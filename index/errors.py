@@ -43,3 +43,10 @@ class IndexCorruptError(IndexLibraryError):
     """An index's files are unreadable or inconsistent in a way replay cannot repair."""
 
     code = "index_corrupt"
+
+
+class RetiredError(IndexLibraryError):
+    """A write reached a version a migration has replaced; retrying reaches the live one."""
+
+    code = "version_retired"
+    retry_after = 1

@@ -22,6 +22,7 @@ _STATUS: tuple[tuple[type[Exception], int, str], ...] = (
     (index_errors.ValidationError, 400, "invalid_request_error"),
     (index_errors.NotFoundError, 404, "not_found_error"),
     (index_errors.ConflictError, 409, "conflict_error"),
+    (index_errors.RetiredError, 503, "service_unavailable"),
     (index_errors.IndexCorruptError, 500, "server_error"),
 )
 

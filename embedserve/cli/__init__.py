@@ -1,6 +1,6 @@
 """`embedserve` command line: serve, plan, bench, index (vLLM-style flags, EMBEDSERVE_* fallbacks).
 
-One module per group of subcommands: `serve` (serve, plan), `index`; `bench` owns its flags."""
+One module per group of subcommands: `serve` (serve, plan), `index`, `reindex`; `bench` owns its flags."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import index as index_cmds, serve as serve_cmds
+    from . import index as index_cmds, reindex as reindex_cmds, serve as serve_cmds
 
     p = argparse.ArgumentParser(prog="embedserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="embedding throughput benchmark: ours over HTTP vs sentence-transformers "
                    "(`embedserve bench --help`)", add_help=False)
     index_cmds.register(sub)
+    reindex_cmds.register(sub)
     return p
 
 

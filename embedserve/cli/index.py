@@ -78,6 +78,12 @@ def register(subparsers) -> None:
     c.add_argument("name")
     c.add_argument("--sample", type=int, default=200)
 
+    c = cmd("history", cmd_history, "the index's migration ledger (reindexes and rollbacks)")
+    c.add_argument("name")
+    c = cmd("prune", cmd_prune, "delete old versions, keeping the live one and the newest --keep others")
+    c.add_argument("name")
+    c.add_argument("--keep", type=int, default=1)
+
     c = cmd("delete", cmd_delete, "delete an index, or some of its documents with --ids")
     c.add_argument("name")
     c.add_argument("--ids", nargs="+", default=None, help="delete these documents instead of the whole index")
@@ -249,4 +255,20 @@ def cmd_delete(args) -> int:
     else:
         store.delete(args.name)
         print(f"deleted index {args.name}")
+    return 0
+
+
+def cmd_history(args) -> int:
+    from migrations import ledger
+    store = _store(args)
+    store.current(args.name)
+    _print(ledger.history(store.index_dir(args.name)))
+    return 0
+
+
+def cmd_prune(args) -> int:
+    from migrations.reindex import prune
+    if args.keep < 0:
+        raise ValidationError("--keep must be 0 or more")
+    _print({"index": args.name, "deleted_versions": prune(_store(args), args.name, args.keep)})
     return 0

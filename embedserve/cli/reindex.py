@@ -1,0 +1,104 @@
+"""`embedserve reindex --index NAME --to-model MODEL` (and `--rollback`): the migration of an
+index to another embedding model, in this process (no server needed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+from index.errors import DescribedError
+
+from ..paths import index_root
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("reindex", help="re-embed an index with another model: resumable, gated, "
+                              "swapped atomically; --rollback undoes the last one")
+    p.add_argument("--index", required=True, dest="name", help="the index to migrate")
+    p.add_argument("--to-model", help="bundled model name or local HF directory")
+    p.add_argument("--rollback", action="store_true", help="make the version the last migration replaced live again")
+    p.add_argument("--dry-run", action="store_true", help="build and verify the new version, but do not swap")
+    p.add_argument("--sample", type=int, default=1000, help="documents the gate checks as their own top hit")
+    p.add_argument("--batch-docs", type=int, default=256, help="documents per embedded, checkpointed batch")
+    p.add_argument("--dtype", default="auto", help="the new model's precision (auto | float32 | bfloat16 | int8)")
+    p.add_argument("--index-dir", default=os.environ.get("EMBEDSERVE_INDEX_DIR"),
+                   help="index root [env EMBEDSERVE_INDEX_DIR; default $EMBEDSERVE_HOME/indexes]")
+    p.set_defaults(func=cmd_reindex)
+
+
+def _embedder(model: str, dtype: str):
+    from ..embedders import ModelEmbedder
+    from ..models.embedding_model import EmbeddingModel
+    from ..models.registry import resolve_model
+    name, path = resolve_model(model)
+    return ModelEmbedder(EmbeddingModel(path, name=name, dtype=dtype))
+
+
+def cmd_reindex(args) -> int:
+    from index.store import IndexStore
+    from migrations.reindex import reindex, rollback
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = IndexStore(index_root(args.index_dir))
+    try:
+        if args.rollback:
+            _print(rollback(store, args.name))
+            return 0
+        if not args.to_model:
+            print("embedserve reindex: error: --to-model is required (or --rollback)", file=sys.stderr)
+            return 2
+        store.current(args.name)                      # a clear error before any model loads
+        embedder = _embedder(args.to_model, args.dtype)
+        old_embedder = _old_embedder(store, args.name, args.dtype)
+        with _progress(store, args.name) as tick:
+            entry = reindex(store, args.name, embedder, batch_docs=args.batch_docs, sample=args.sample,
+                            dry_run=args.dry_run, old_embedder=old_embedder, on_batch=tick)
+    except DescribedError as exc:
+        print(f"embedserve reindex: error: {exc.message}", file=sys.stderr)
+        report = getattr(exc, "report", None)
+        if report is not None:
+            _print(report.to_dict())
+        return 1
+    _print(entry)
+    return 0
+
+
+def _old_embedder(store, name: str, dtype: str):
+    """The live version's model, for the old-vs-new overlap the gate prints (None if unavailable)."""
+    try:
+        return _embedder(store.manifest(name).model, dtype)
+    except (FileNotFoundError, ValueError) as exc:
+        logging.getLogger(__name__).warning("old model unavailable (%s): no top-10 overlap", exc)
+        return None
+
+
+class _progress:
+    """tqdm (documents/s, ETA) on a terminal, a log line per batch otherwise."""
+
+    def __init__(self, store, name: str):
+        self.total = store.manifest(name).counts.get("documents") or None
+        self.bar = None
+        self.done = 0
+
+    def __enter__(self):
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.total, unit="doc", desc="reindex")
+        return self.tick
+
+    def tick(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        else:
+            logging.getLogger("embedserve.reindex").info("copied %d documents", self.done)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _print(obj) -> None:
+    print(json.dumps(obj, indent=2, ensure_ascii=False))

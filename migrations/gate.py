@@ -1,0 +1,99 @@
+"""The verification gate a new version must pass before it goes live (all printed and stored):
+live document counts equal, every vector finite, non-zero, of the manifest's dimension and
+norm, each sampled document its own top hit by its own text, and — for the operator — the
+top-10 overlap between the old and the new version on sample queries."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from index.core import NORM_TOLERANCE, Index
+from index.search import Query
+
+MIN_SELF_HIT = 0.99
+
+
+@dataclass(slots=True)
+class GateReport:
+    ok: bool = True
+    checks: dict[str, dict] = field(default_factory=dict)
+    sampled: int = 0
+    documents: int = 0
+    self_hit_rate: float | None = None
+    top10_overlap: float | None = None
+
+    def check(self, name: str, ok: bool, detail: str) -> None:
+        self.checks[name] = {"ok": bool(ok), "detail": detail}
+        self.ok = self.ok and bool(ok)
+
+    def failures(self) -> list[str]:
+        return [f"{name}: {c['detail']}" for name, c in self.checks.items() if not c["ok"]]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_gate(old: Index, new: Index, embedder, *, sample: int = 1000, old_embedder=None,
+             min_self_hit: float = MIN_SELF_HIT, seed: int = 0) -> GateReport:
+    """Check `new` (built by `embedder`) against the live `old`; `old_embedder`, when given,
+    embeds the overlap queries for the old version."""
+    rep = GateReport()
+    n_old, n_new = old.docs.counts()["documents"], new.docs.counts()["documents"]
+    rep.documents = n_new
+    rep.check("counts", n_old == n_new and new.counts()["dense"] == n_new,
+              f"live {n_old} documents, new {n_new} (dense vectors {new.counts()['dense']})")
+    _check_vectors(new, rep)
+    labels = new.docs.live_labels()
+    if not len(labels):
+        return rep
+    rng = np.random.default_rng(seed)
+    pick = rng.choice(labels, size=min(sample, len(labels)), replace=False).tolist()
+    docs = new.docs.fetch(pick)
+    ids = [docs[lab][0] for lab in pick if lab in docs]
+    texts = [docs[lab][1] for lab in pick if lab in docs]
+    rep.sampled = len(ids)
+    vectors = embedder.embed_documents(texts).dense
+    hits = sum(_top_ids(new, v, 1, embedder.identity)[:1] == [i] for v, i in zip(vectors, ids))
+    rep.self_hit_rate = hits / max(len(ids), 1)
+    rep.check("self_hit", rep.self_hit_rate >= min_self_hit,
+              f"{hits} of {len(ids)} sampled documents are their own top hit by their own text "
+              f"({rep.self_hit_rate:.4f}; the gate is {min_self_hit})")
+    if old_embedder is not None:
+        rep.top10_overlap = _overlap(old, new, old_embedder, embedder, texts[:100])
+    return rep
+
+
+def _check_vectors(new: Index, rep: GateReport) -> None:
+    m = new.manifest
+    bad: dict[str, int] = {"nan": 0, "zero": 0, "dimension": 0, "norm": 0, "missing": 0}
+    for batch in new.docs.iter_docs():
+        for _label, _id, _text, _hash, dense, _sparse in batch:
+            if dense is None:
+                bad["missing"] += 1
+            elif dense.shape != (m.dimension,):
+                bad["dimension"] += 1
+            elif not np.isfinite(dense).all():
+                bad["nan"] += 1
+            elif not np.any(dense):
+                bad["zero"] += 1
+            elif m.normalize and abs(float(np.linalg.norm(dense)) - 1.0) > NORM_TOLERANCE:
+                bad["norm"] += 1
+    rep.check("vectors", not any(bad.values()),
+              "all finite, non-zero, of dimension %d%s" % (m.dimension, ", unit norm" if m.normalize else "")
+              if not any(bad.values()) else "bad vectors: " + ", ".join(f"{k} {v}" for k, v in bad.items() if v))
+
+
+def _top_ids(ix: Index, vector, k: int, identity) -> list[str]:
+    return [h.id for h in ix.search(Query(dense=np.asarray(vector, np.float32), top_k=k, mode="dense"), identity)]
+
+
+def _overlap(old: Index, new: Index, old_embedder, new_embedder, queries: list[str]) -> float:
+    """Mean |top10(old) ∩ top10(new)| / 10 over `queries`, each embedded by its version's model."""
+    scores = []
+    for q in queries:
+        a = _top_ids(old, old_embedder.embed_query(q, "dense")[0], 10, old_embedder.identity)
+        b = _top_ids(new, new_embedder.embed_query(q, "dense")[0], 10, new_embedder.identity)
+        scores.append(len(set(a) & set(b)) / max(min(10, len(a)), 1))
+    return float(np.mean(scores)) if scores else 1.0

@@ -1,0 +1,210 @@
+"""Full reindex migration: re-embed every live document with a new model into a new version
+beside the live one, resumably, then gate, swap `CURRENT` atomically, and record it.
+
+    live vN ──read by label (write order)──▶ embed (new model) ──▶ vN+1 + checkpoint per batch
+            ──catch-up (writes made meanwhile: by label; deletions: by id)──▶ gate ──▶ CURRENT = vN+1
+            ──▶ ledger entry;  vN stays for `rollback`
+
+Kill it anywhere and run it again: the checkpoint names the last live label copied, and the
+new version's doc store skips documents whose text it already holds, so each document is
+embedded once. The last catch-up and the swap run under the live version's SQLite write lock,
+and the old version is marked retired inside it, so a writer still holding the old version
+after the swap is refused (retryable) instead of writing where no one reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from index import ops
+from index.core import Index
+from index.docstore import DB_NAME
+from index.durable import atomic_write
+from index.docstore import RETIRED
+from index.store import IndexStore
+
+from . import ledger
+from .errors import GateFailed, MigrationError
+from .gate import GateReport, run_gate
+from .lock import migration_lock
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT = "reindex.json"
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """Progress of one reindex, in the new version's directory."""
+
+    parent: str
+    version: str
+    to_model: str
+    to_fingerprint: str
+    copied_upto: int = 0            # last live label copied into the new version
+    embedded: int = 0               # documents embedded over every run (resumes included)
+    started_at: float = field(default_factory=time.time)
+    finished: bool = False
+
+    def save(self, version_dir: Path) -> None:
+        atomic_write(version_dir / CHECKPOINT, json.dumps(asdict(self), indent=2).encode())
+
+    @classmethod
+    def load(cls, version_dir: Path) -> "Checkpoint | None":
+        try:
+            return cls(**json.loads((version_dir / CHECKPOINT).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def _target(store: IndexStore, name: str, live: str, embedder) -> tuple[str, Checkpoint]:
+    """The unfinished version a previous run of this migration left, else a new one."""
+    for version in reversed(store.versions(name)):
+        ck = Checkpoint.load(store.version_dir(name, version))
+        if ck and not ck.finished and ck.parent == live and ck.to_fingerprint == embedder.identity.fingerprint:
+            logger.info("index %s: resuming the reindex into %s after label %d", name, version, ck.copied_upto)
+            return version, ck
+    version = store.add_version(name, embedder.identity)
+    ck = Checkpoint(parent=live, version=version, to_model=embedder.identity.model,
+                    to_fingerprint=embedder.identity.fingerprint)
+    ck.save(store.version_dir(name, version))
+    return version, ck
+
+
+def _copy(old: Index, new: Index, embedder, ck: Checkpoint, new_dir: Path, batch_docs: int,
+          on_batch: Callable[[int], None] | None) -> int:
+    """Copy every live document written after the checkpoint; returns how many were read."""
+    total = 0
+    while True:
+        rows = old.docs.documents_after(ck.copied_upto, batch_docs)
+        if not rows:
+            return total
+        result = ops.upsert_documents(new, [doc for _, doc in rows], embedder)
+        ck.embedded += result.added + result.replaced
+        ck.copied_upto = rows[-1][0]
+        ck.save(new_dir)                      # after the batch is committed: at most this batch twice
+        total += len(rows)
+        if on_batch:
+            on_batch(len(rows))
+
+
+def _drop_deleted(old: Index, new: Index) -> int:
+    """Delete from `new` what the live version deleted meanwhile (compared by id)."""
+    gone = sorted(set(new.docs.fingerprints()) - set(old.docs.fingerprints()))
+    if gone:
+        new.delete(gone)
+    return len(gone)
+
+
+def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sample: int = 1000,
+            dry_run: bool = False, old_embedder=None, on_batch: Callable[[int], None] | None = None,
+            max_passes: int = 5) -> dict:
+    """Run (or resume) the migration of `name` to `embedder`'s model; returns its ledger entry
+    (with `swapped: False` on a dry run). Raises GateFailed, leaving the live version untouched."""
+    index_dir = store.index_dir(name)
+    with migration_lock(index_dir, name):
+        live = store.current(name)
+        old_manifest = store.manifest(name, live)
+        if old_manifest.fingerprint == embedder.identity.fingerprint:
+            raise MigrationError(f"index {name!r} is already built with {embedder.identity.model!r}; nothing to "
+                                 "reindex", code="same_model")
+        version, ck = _target(store, name, live, embedder)
+        new_dir = store.version_dir(name, version)
+        t0 = time.time()
+        old = store.open(name, version=live)
+        new = store.open(name, embedder.identity, version=version)
+        try:
+            _copy(old, new, embedder, ck, new_dir, batch_docs, on_batch)
+            for _ in range(max_passes):                    # catch up until the gap is small
+                moved = _copy(old, new, embedder, ck, new_dir, batch_docs, on_batch) + _drop_deleted(old, new)
+                if moved <= batch_docs:
+                    break
+            report = run_gate(old, new, embedder, sample=sample, old_embedder=old_embedder)
+            if not report.ok:
+                raise GateFailed(f"the gate refused {name}/{version}; {live} stays live: "
+                                 + "; ".join(report.failures()), report)
+            entry = _entry(name, old_manifest, live, version, embedder, ck, report, t0)
+            if dry_run:
+                return {**entry, "swapped": False}
+            _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report)
+            ck.finished = True
+            ck.save(new_dir)
+            entry = _entry(name, old_manifest, live, version, embedder, ck, report, t0)
+            ledger.append(index_dir, entry)
+            return {**entry, "swapped": True}
+        finally:
+            old.close(snapshot=False)
+            new.close()
+
+
+def _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report: GateReport) -> None:
+    """The last catch-up and the swap, with writers to the live version held off."""
+    lock = sqlite3.connect(str(old.path / DB_NAME), timeout=60, isolation_level=None)
+    try:
+        lock.execute("BEGIN IMMEDIATE")                   # writers wait; readers go on
+        _copy(old, new, embedder, ck, new_dir, batch_docs, None)
+        _drop_deleted(old, new)
+        n_old, n_new = old.docs.counts()["documents"], new.docs.counts()["documents"]
+        if n_old != n_new:
+            report.check("counts_at_swap", False, f"live {n_old}, new {n_new}")
+            raise GateFailed(f"counts differ at the swap (live {n_old}, new {n_new}); nothing swapped", report)
+        new.snapshot()
+        atomic_write(old.path / RETIRED, f"{new.version}\n".encode())
+        store.set_current(name, new.version)
+    finally:
+        lock.execute("ROLLBACK") if lock.in_transaction else None
+        lock.close()
+
+
+def _entry(name, old_manifest, live, version, embedder, ck: Checkpoint, report: GateReport, t0: float) -> dict:
+    seconds = max(time.time() - t0, 1e-9)
+    return {"kind": "reindex", "index": name, "parent": live, "version": version,
+            "from_model": old_manifest.model, "from_fingerprint": old_manifest.fingerprint,
+            "to_model": embedder.identity.model, "to_fingerprint": embedder.identity.fingerprint,
+            "documents": report.documents, "embedded": ck.embedded, "gate": report.to_dict(),
+            "started_at": _iso(ck.started_at), "finished_at": _iso(time.time()),
+            "docs_per_s": round(ck.embedded / seconds, 1)}
+
+
+def rollback(store: IndexStore, name: str) -> dict:
+    """Move `CURRENT` back to the version the last migration replaced (and record it)."""
+    index_dir = store.index_dir(name)
+    with migration_lock(index_dir, name):
+        live = store.current(name)
+        last = next((e for e in reversed(ledger.history(index_dir)) if e.get("version") == live
+                     and e.get("kind") == "reindex"), None)
+        if last is None:
+            raise MigrationError(f"index {name!r}: no migration produced the live version {live}; nothing to "
+                                 "roll back", code="nothing_to_roll_back")
+        parent = last["parent"]
+        (store.version_dir(name, parent) / RETIRED).unlink(missing_ok=True)
+        atomic_write(store.version_dir(name, live) / RETIRED, f"{parent}\n".encode())
+        t0 = time.time()
+        store.set_current(name, parent)
+        entry = {"kind": "rollback", "index": name, "parent": live, "version": parent,
+                 "from_model": last["to_model"], "to_model": last["from_model"],
+                 "finished_at": _iso(time.time()), "seconds": round(time.time() - t0, 4)}
+        ledger.append(index_dir, entry)
+        return entry
+
+
+def prune(store: IndexStore, name: str, keep: int) -> list[str]:
+    """Delete all but the newest `keep` versions besides the live one (never the live one)."""
+    import shutil
+    live = store.current(name)
+    others = [v for v in store.versions(name) if v != live]
+    doomed = others[:max(0, len(others) - keep)]
+    for v in doomed:
+        shutil.rmtree(store.version_dir(name, v))
+    return doomed
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
