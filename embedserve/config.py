@@ -17,7 +17,7 @@ DEFAULT_GENERATE_MODEL = "SmolLM2-135M-Instruct"
 class ServerConfig:
     """Everything `embedserve serve` needs."""
 
-    model: str = field(default=DEFAULT_MODEL, metadata={"help": "bundled model name or local HF directory"})
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "bundled embedding model name or local HF directory (comma-separated: several)"})
     served_model_name: str | None = field(default=None, metadata={"help": "name clients send as `model` (default: the model's name)"})
     host: str = field(default="127.0.0.1", metadata={"help": "bind address (loopback unless told otherwise)"})
     port: int = field(default=8000, metadata={"help": "TCP port"})
@@ -66,8 +66,15 @@ class ServerConfig:
         if self.max_queued_tokens < self.max_batch_tokens:
             raise ConfigError(f"--max-queued-tokens {self.max_queued_tokens} is below --max-batch-tokens "
                               f"{self.max_batch_tokens}: a full batch could never queue; raise it")
+        if not self.models:
+            raise ConfigError("--model names no model; pass a bundled name or a local directory")
         if self.api_key == "":
             self.api_key = None
+
+    @property
+    def models(self) -> list[str]:
+        """The embedding models to serve, the default (first) one first."""
+        return [m.strip() for m in self.model.split(",") if m.strip()]
 
     def check_model_limits(self, model_max_input: int) -> int:
         """The effective max input length, or ConfigError if the batch budget cannot hold it."""

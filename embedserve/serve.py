@@ -41,12 +41,15 @@ def build_embed_engine(cfg: ServerConfig, model: EmbeddingModel, metrics=None) -
     return engine
 
 
-def attach_embedder(state: AppState, model: EmbeddingModel) -> None:
-    """Start the embedding engine for `model` and mark the server ready."""
-    state.embedder = build_embed_engine(state.config, model, state.metrics)
+def attach_embedders(state: AppState, models: EmbeddingModel | list[EmbeddingModel]) -> None:
+    """Start one embedding engine per model (they take turns on the cores: one compute lock)
+    and mark the server ready."""
+    for model in (models if isinstance(models, list) else [models]):
+        engine = build_embed_engine(state.config, model, state.metrics)
+        name = state.add_embedder(engine)
+        logger.info("model %s ready (%s, dim %d, max input %d tokens)", name, model.spec.dtype,
+                    model.spec.dim, engine.max_input_length)
     state.ready = True
-    logger.info("model %s ready (%s, dim %d, max input %d tokens)", state.served_name, model.spec.dtype,
-                model.spec.dim, state.embedder.max_input_length)
 
 
 def attach_generator(state: AppState, gen: Generator) -> None:
@@ -54,8 +57,8 @@ def attach_generator(state: AppState, gen: Generator) -> None:
     state.generator = gen
 
 
-def build_app(config: ServerConfig, model: EmbeddingModel | None = None,
-              loader: Callable[[], EmbeddingModel] | None = None,
+def build_app(config: ServerConfig, model: EmbeddingModel | list[EmbeddingModel] | None = None,
+              loader: Callable[[], EmbeddingModel | list[EmbeddingModel]] | None = None,
               on_load_error: Callable[[BaseException], None] | None = None,
               generator: Generator | None = None, gen_loader: Callable[[], Generator] | None = None) -> FastAPI:
     """The server app. Pass a loaded `model` (and `generator`), or loaders run on a thread at
@@ -65,7 +68,7 @@ def build_app(config: ServerConfig, model: EmbeddingModel | None = None,
         try:
             if gen_loader is not None:
                 attach_generator(state, gen_loader())
-            attach_embedder(state, loader())
+            attach_embedders(state, loader())
         except BaseException as exc:  # reported through /ready and the callback
             logger.exception("model failed to load")
             state.load_error = f"{type(exc).__name__}: {exc}"
@@ -76,7 +79,7 @@ def build_app(config: ServerConfig, model: EmbeddingModel | None = None,
         if generator is not None:
             attach_generator(state, generator)
         if model is not None:
-            attach_embedder(state, model)
+            attach_embedders(state, model)
         elif loader is not None:
             threading.Thread(target=load, args=(state,), name="model-loader", daemon=True).start()
 

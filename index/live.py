@@ -8,8 +8,7 @@ import threading
 from pathlib import Path
 
 from .core import Index
-from .errors import ConflictError
-from .manifest import Manifest, ModelIdentity
+from .manifest import ModelIdentity
 from .store import IndexStore
 
 logger = logging.getLogger(__name__)
@@ -22,6 +21,7 @@ class LiveIndexes:
         self.root = Path(root)
         self._store: IndexStore | None = None
         self._open: dict[str, Index] = {}
+        self._replaced: list[Index] = []       # versions CURRENT moved away from; requests may still use them
         self._lock = threading.Lock()
 
     @property
@@ -37,7 +37,7 @@ class LiveIndexes:
             ix = self._open.get(name)
             if ix is not None and ix.version != version:
                 logger.info("index %s: current moved %s -> %s; reopening", name, ix.version, version)
-                self._open.pop(name).close()
+                self._replaced.append(self._open.pop(name))
                 ix = None
             if ix is None:
                 ix = self.store.open(name, version=version)
@@ -51,14 +51,14 @@ class LiveIndexes:
         self.store.create(name, identity, dense).close()
         return self.get(name, identity).describe()
 
-    def summaries(self, identity: ModelIdentity | None) -> list[dict]:
-        """One line per index, with whether `identity`'s model may use it."""
+    def summaries(self, why_not) -> list[dict]:
+        """One line per index; `why_not(manifest)` says why no served model may use it (or None)."""
         out = []
         for name in self.store.names():
             m = self.store.manifest(name)
             out.append({"name": name, "version": m.version, "model": m.model, "dimension": m.dimension,
                         "dense_index": m.dense_index["kind"], "sparse": m.sparse, "counts": m.counts,
-                        "compatible": mismatch(m, identity) is None})
+                        "compatible": why_not(m) is None})
         return out
 
     def delete(self, name: str) -> None:
@@ -73,16 +73,8 @@ class LiveIndexes:
         """Snapshot and close everything (on shutdown, so the next start replays little)."""
         with self._lock:
             items, self._open = list(self._open.values()), {}
+            replaced, self._replaced = self._replaced, []
         for ix in items:
             ix.close()
-
-
-def mismatch(manifest: Manifest, identity: ModelIdentity | None) -> str | None:
-    """Why `identity`'s model cannot use an index with this manifest, or None."""
-    if identity is None:
-        return "no model loaded"
-    try:
-        manifest.check(identity, "serve")
-    except ConflictError as exc:
-        return exc.message
-    return None
+        for ix in replaced:
+            ix.close(snapshot=False)

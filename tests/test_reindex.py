@@ -174,3 +174,61 @@ def test_killed_at_10_50_99_percent_resumes_to_the_same_result(built, tmp_path, 
         assert max(float(np.abs(va[k] - vb[k]).max()) for k in va) <= 1e-6
         writes = a.docs.seq()                    # one write (one embedding) per document written
     assert N_DOCS <= writes <= N_DOCS + 20 * kills, writes
+
+
+def test_swap_under_load_every_answer_from_one_model_version_pair(tmp_path, e5_model):
+    """A server serving both models answers searches from 4 clients through the migration: all
+    200, each from (old model, old version) or (new model, new version), the new pair at the end."""
+    import threading
+
+    import httpx
+
+    from conftest import _free_port
+    from embedserve.client import Client
+
+    root, port = tmp_path / "ix", _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port),
+                             "--model", "all-MiniLM-L6-v2", "--model", "multilingual-e5-small", "--dtype", "float32",
+                             "--generate-model", "none", "--index-dir", str(root), "--log-level", "warning"],
+                            env=dict(os.environ, EMBEDSERVE_THREADS="2"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with Client(base) as c:
+            for _ in range(600):
+                if c.ready() or proc.poll() is not None:
+                    break
+                time.sleep(0.2)
+            assert proc.poll() is None, proc.stdout.read()
+            assert [m["id"] for m in c.models()["data"]] == ["all-MiniLM-L6-v2", "multilingual-e5-small"]
+            c.index("live").create(model="all-MiniLM-L6-v2")
+            docs = _wiki_docs(160)
+            c.ingest("live", [{"id": d.id, "text": d.text} for d in docs])
+        seen, stop = [], threading.Event()
+
+        def search(k):
+            with httpx.Client(base_url=base, timeout=60) as h:
+                while not stop.is_set():
+                    r = h.post("/v1/search", json={"index": "live", "query": docs[k * 7].text[:80], "top_k": 3})
+                    seen.append((r.status_code, r.json().get("model"), r.json().get("version")))
+        threads = [threading.Thread(target=search, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        entry = reindex(IndexStore(root), "live", ModelEmbedder(e5_model), batch_docs=40, sample=100)
+        after = len(seen)
+        time.sleep(1.5)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert entry["swapped"]
+        assert {s for s, _, _ in seen} == {200}, [x for x in seen if x[0] != 200][:3]
+        pairs = {(m, v) for _, m, v in seen}
+        assert pairs == {("all-MiniLM-L6-v2", "v1"), ("multilingual-e5-small", "v2")}, pairs
+        tail = [(m, v) for _, m, v in seen[after + 8:]]      # requests in flight at the swap finish first
+        assert tail and set(tail) == {("multilingual-e5-small", "v2")}, [(i, x) for i, x in enumerate(seen[after:]) if x[1] != "multilingual-e5-small"][:10]
+        reload = httpx.post(base + "/v1/indexes/live/reload").json()
+        assert reload["version"] == "v2" and reload["model"] == "multilingual-e5-small"
+    finally:
+        proc.terminate()
+        proc.wait(30)

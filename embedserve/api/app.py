@@ -37,8 +37,8 @@ def create_app(state: AppState, start: Callable[[AppState], None] | None = None)
         if start is not None:
             start(state)
         yield
-        if state.embedder is not None:
-            state.embedder.stop()
+        for engine in state.embedders.values():
+            engine.stop()
         if state.generator is not None:
             state.generator.stop()
 

@@ -42,10 +42,10 @@ async def wait_disconnect(request: Request) -> None:
 
 
 async def embed_via_engine(state: AppState, inputs: list[list[int]], want: set[str],
-                           request: Request | None = None) -> EmbedRequest | None:
-    """Submit token-id inputs to the engine and wait; None if the client went away first
-    (its queued inputs are then dropped before the model runs them). Raises typed errors."""
-    engine = state.require_embedder()
+                           request: Request | None = None, engine=None) -> EmbedRequest | None:
+    """Submit token-id inputs to `engine` (default: the default model's) and wait; None if the
+    client went away first (its queued inputs are then dropped before the model runs them)."""
+    engine = engine or state.require_embedder()
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 

@@ -90,9 +90,9 @@ def build_router(state: AppState) -> APIRouter:
     @router.post("/v1/embeddings")
     async def embeddings(request: Request):
         body = await parse_body(request, EmbeddingRequest)
-        engine = state.require_embedder()
-        state.check_model(body.model)
-        want = _check_types(state, engine, body)
+        engine = state.require_embedder(body.model)
+        name = state.name_of(engine)
+        want = _check_types(name, engine, body)
         inputs = await _token_inputs(state, engine, body)
         limit = engine.max_input_length
         truncated = []
@@ -104,25 +104,25 @@ def build_router(state: AppState) -> APIRouter:
                                           code="context_length_exceeded")
                 inputs[i] = engine.truncate(ids, limit)
                 truncated.append(i)
-        req = await embed_via_engine(state, inputs, want, request)
+        req = await embed_via_engine(state, inputs, want, request, engine)
         if req is None:
             return Response(status_code=499)
-        payload = await run_in_threadpool(_render, req, body, state.served_name, truncated)
+        payload = await run_in_threadpool(_render, req, body, name, truncated)
         return Response(payload, media_type="application/json")
 
     return router
 
 
-def _check_types(state: AppState, engine, body: EmbeddingRequest) -> set[str]:
+def _check_types(name: str, engine, body: EmbeddingRequest) -> set[str]:
     """The embedding types to compute; refuses what this model cannot give."""
     spec = engine.spec
     if body.dimensions is not None and body.dimensions != spec.dim:
-        raise UnsupportedError(f"model {state.served_name!r} has {spec.dim} dimensions and was not "
+        raise UnsupportedError(f"model {name!r} has {spec.dim} dimensions and was not "
                                "trained to be shortened (Matryoshka); omit `dimensions`", param="dimensions")
     want = set(body.embedding_types or ["dense"])
     missing = sorted(want - engine.embedding_types)
     if missing:
-        raise UnsupportedError(f"model {state.served_name!r} has no {' or '.join(missing)} head "
+        raise UnsupportedError(f"model {name!r} has no {' or '.join(missing)} head "
                                "(a BGE-M3 directory with sparse_linear.pt / colbert_linear.pt has); "
                                "request embedding_types=['dense']", param="embedding_types")
     return want

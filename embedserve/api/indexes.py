@@ -1,8 +1,9 @@
 """Index routes: create / list / inspect / delete indexes, upsert and delete documents, search.
 
-The served model is the only model here: indexes are created bound to it, documents and
-queries are embedded by it (through the engine's batcher), and an index whose manifest does
-not match it is refused with 409. The upsert and search logic is the index library's own
+An index is created bound to a served model (`model`, default the first `--model`); its
+documents and queries are embedded by the served model whose identity its live version's
+manifest names (through that model's engine), looked up on every request, so a reindex swap
+switches model and version together; an index no served model built is refused with 409. The upsert and search logic is the index library's own
 (`index.ops`), shared with the CLI; SQLite and FAISS work runs in the thread pool.
 """
 
@@ -21,13 +22,13 @@ from index import ops
 from index.core import validate_documents
 from index.docstore import Document
 from index.embedder import DocumentVectors, document_types, query_types
-from index.live import mismatch
 from index.manifest import DenseConfig
 from index.search import DEFAULT_WEIGHTS, Query
 from index.store import check_name
 
 from ..embedders import ModelEmbedder, token_batches
 from ..errors import ValidationError
+from index.errors import ConflictError
 from .common import embed_via_engine, parse_body
 from .state import AppState
 
@@ -93,35 +94,45 @@ class SearchRequest(BaseModel):
     filter: dict[str, Any] | None = None
 
 
-def _embedder(state: AppState) -> ModelEmbedder:
-    """The served model's conversions (texts -> index vectors), over the engine."""
-    engine = state.require_embedder()
+def _embedder(engine) -> ModelEmbedder:
+    """A served model's conversions (texts -> index vectors), over its engine."""
     return ModelEmbedder(engine, max_input_length=engine.max_input_length)
 
 
-async def _embed_documents(state: AppState, request: Request, texts: list[str]) -> DocumentVectors | None:
+def _why_not(state: AppState, manifest) -> str | None:
+    """Why no served model can use this index version, or None."""
+    if not state.ready:
+        return "no model loaded"
+    try:
+        state.engine_for_index(manifest)
+    except ConflictError as exc:
+        return exc.message
+    return None
+
+
+async def _embed_documents(state: AppState, request: Request, texts: list[str], engine) -> DocumentVectors | None:
     """Document vectors through the engine's batcher, in several engine requests when the
     documents hold more tokens than the queue may; None if the client went away."""
-    emb = _embedder(state)
+    emb = _embedder(engine)
     ids, cut = await run_in_threadpool(emb.passage_inputs, texts)
     budget = max(state.config.max_batch_tokens, state.config.max_queued_tokens // 4)
     outputs: list = []
     for batch in token_batches([len(x) for x in ids], budget):
-        req = await embed_via_engine(state, [ids[i] for i in batch], document_types(emb.identity), request)
+        req = await embed_via_engine(state, [ids[i] for i in batch], document_types(emb.identity), request, engine)
         if req is None:
             return None
         outputs.extend(req.outputs)
     return await run_in_threadpool(emb.document_vectors, outputs, texts, cut)
 
 
-async def _embed_query(state: AppState, request: Request, text: str, mode: str):
+async def _embed_query(state: AppState, request: Request, text: str, mode: str, engine):
     """(dense, sparse) of a query through the engine; None if the client went away."""
-    emb = _embedder(state)
+    emb = _embedder(engine)
     want = query_types(emb.identity, mode)
     out = None
     if want:
         ids = await run_in_threadpool(emb.query_inputs, text)
-        req = await embed_via_engine(state, [ids], want, request)
+        req = await embed_via_engine(state, [ids], want, request, engine)
         if req is None:
             return None
         out = req.outputs[0]
@@ -145,8 +156,7 @@ def build_router(state: AppState) -> APIRouter:
     async def create_index(request: Request):
         body = await parse_body(request, CreateIndexRequest)
         name = check_name(body.name)
-        ident = state.identity()
-        state.check_model(body.model, bound)
+        ident = state.identity(state.require_embedder(body.model, bound))
         dense = DenseConfig(kind=body.dense, hnsw_m=body.hnsw_m, ef_construction=body.ef_construction,
                             ef_search=body.ef_search)
         info = await run_in_threadpool(indexes.create, name, ident, dense)
@@ -154,8 +164,7 @@ def build_router(state: AppState) -> APIRouter:
 
     @router.get("/v1/indexes")
     async def list_indexes():
-        ident = state.identity() if state.ready else None
-        rows = await run_in_threadpool(indexes.summaries, ident)
+        rows = await run_in_threadpool(indexes.summaries, lambda m: _why_not(state, m))
         return {"object": "list", "data": [{"object": "index", **row} for row in rows]}
 
     @router.get("/v1/indexes/{name}")
@@ -163,9 +172,18 @@ def build_router(state: AppState) -> APIRouter:
         check_name(name)
         ix = await run_in_threadpool(indexes.get, name, None)
         info = _index_object(await run_in_threadpool(ix.describe))
-        why = mismatch(ix.manifest, state.identity() if state.ready else None)
+        why = _why_not(state, ix.manifest)
         info["compatible"], info["mismatch"] = why is None, why
         return info
+
+    @router.post("/v1/indexes/{name}/reload")
+    async def reload_index(name: str):
+        """Pick up a moved `CURRENT` now (every request also checks it): the live version and the
+        served model that will answer for it."""
+        ix = await run_in_threadpool(indexes.get, check_name(name), None)
+        why = _why_not(state, ix.manifest)
+        model = state.name_of(state.engine_for_index(ix.manifest)) if why is None else None
+        return {"object": "index.reload", "name": name, "version": ix.version, "model": model, "mismatch": why}
 
     @router.delete("/v1/indexes/{name}")
     async def delete_index(name: str):
@@ -184,17 +202,19 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
     async def upsert_documents(name: str, request: Request):
         check_name(name)
         body = await parse_body(request, UpsertRequest)
-        ident = state.identity()
+        state.require_embedder()
         docs = [Document(d.id, d.text, d.metadata) for d in body.documents]
         validate_documents(docs)
         if len(docs) > state.config.max_client_batch_size:
             raise ValidationError(f"{len(docs)} documents; the limit (--max-client-batch-size) is "
                                   f"{state.config.max_client_batch_size}; split the upsert", param="documents")
-        ix = await run_in_threadpool(indexes.get, name, ident)
+        ix = await run_in_threadpool(indexes.get, name, None)
+        engine = state.engine_for_index(ix.manifest)
+        ident = state.identity(engine)
         todo = await run_in_threadpool(ops.plan_upsert, ix, docs)
         vectors = DocumentVectors([], [])
         if todo:
-            vectors = await _embed_documents(state, request, [docs[i].text for i in todo])
+            vectors = await _embed_documents(state, request, [docs[i].text for i in todo], engine)
             if vectors is None:
                 return Response(status_code=499)
         result = await run_in_threadpool(ops.commit_upsert, ix, docs, todo, vectors, ident)
@@ -204,8 +224,8 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
     async def delete_documents(name: str, request: Request):
         check_name(name)
         body = await parse_body(request, DeleteDocumentsRequest)
-        ident = state.identity() if state.ready else None
-        ix = await run_in_threadpool(indexes.get, name, ident)
+        ix = await run_in_threadpool(indexes.get, name, None)
+        ident = state.identity(state.engine_for_index(ix.manifest)) if state.ready else None
         change = await run_in_threadpool(ix.delete, body.ids, ident)
         missing = [k for k, v in change.outcomes.items() if v == "missing"]
         return {"object": "index.delete", "index": name, "version": ix.version,
@@ -215,19 +235,24 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
     async def search(request: Request):
         body = await parse_body(request, SearchRequest)
         name = check_name(body.index)
-        ident = state.identity()
-        state.check_model(body.model, " and its indexes are bound to it")
+        requested = state.require_embedder(body.model, " and its indexes are bound to it")
         if not body.query.strip():
             raise ValidationError("`query` is blank; send the text to search for", param="query")
-        ix = await run_in_threadpool(indexes.get, name, ident)
-        vectors = await _embed_query(state, request, body.query, body.mode)
+        # the index version and the model that built it, taken together: a swap of `CURRENT`
+        # during this request changes neither (this request finishes on the pair it took)
+        ix = await run_in_threadpool(indexes.get, name, None)
+        engine = state.engine_for_index(ix.manifest)
+        if body.model is not None and requested is not engine:
+            ix.manifest.check(state.identity(requested), "search")
+        ident = state.identity(engine)
+        vectors = await _embed_query(state, request, body.query, body.mode, engine)
         if vectors is None:
             return Response(status_code=499)
         weights = (body.weights.dense, body.weights.sparse) if body.weights else DEFAULT_WEIGHTS
         query = Query(dense=vectors[0], sparse=vectors[1], top_k=body.top_k, mode=body.mode, fusion=body.fusion,
                       weights=weights, filter=body.filter)
         hits = await run_in_threadpool(ix.search, query, ident)
-        return {"object": "list", "index": name, "version": ix.version, "model": state.served_name,
+        return {"object": "list", "index": name, "version": ix.version, "model": state.name_of(engine),
                 "mode": body.mode, "data": [h.to_dict() for h in hits]}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from index.errors import ConflictError
 from index.live import LiveIndexes
 from index.manifest import ModelIdentity
 
@@ -22,7 +23,7 @@ class AppState:
 
     config: ServerConfig
     metrics: Metrics = field(default_factory=Metrics)
-    embedder: EmbedEngine | None = None
+    embedders: dict[str, EmbedEngine] = field(default_factory=dict)    # served name -> engine; first = default
     generator: Generator | None = None
     ready: bool = False
     load_error: str | None = None
@@ -33,24 +34,51 @@ class AppState:
         self.indexes = LiveIndexes(index_root(self.config.index_dir))
 
     @property
+    def embedder(self) -> EmbedEngine | None:
+        """The default embedding engine (the first `--model`)."""
+        return next(iter(self.embedders.values()), None)
+
+    @property
     def served_name(self) -> str:
-        if self.config.served_model_name:
-            return self.config.served_model_name
-        return self.embedder.spec.name if self.embedder is not None else self.config.model
+        return next(iter(self.embedders), None) or self.config.served_model_name or self.config.model.split(",")[0]
 
-    def require_embedder(self) -> EmbedEngine:
-        """The embedding engine, or 503 while it is loading."""
-        if not self.ready or self.embedder is None:
+    def add_embedder(self, engine: EmbedEngine) -> str:
+        """Serve `engine`'s model; the first one takes `--served-model-name`. Returns its name."""
+        name = (self.config.served_model_name if not self.embedders and self.config.served_model_name
+                else engine.spec.name)
+        self.embedders[name] = engine
+        return name
+
+    def name_of(self, engine: EmbedEngine) -> str:
+        return next(n for n, e in self.embedders.items() if e is engine)
+
+    def require_embedder(self, requested: str | None = None, what: str = "") -> EmbedEngine:
+        """The engine of `requested` (a request's `model`; None: the default), 503 while loading,
+        404 naming the served models if it is not one of them."""
+        if not self.ready or not self.embedders:
             raise UnavailableError("model is loading; retry shortly", retry_after=5)
+        if requested is None:
+            return self.embedder
+        for name, engine in self.embedders.items():
+            if requested in (name, engine.spec.name):
+                return engine
+        served = ", ".join(repr(n) for n in self.embedders)
+        raise NotFoundError(f"model {requested!r} is not served here; this server serves {served}{what} "
+                            "(GET /v1/models)", param="model")
+
+    def identity(self, engine: EmbedEngine | None = None) -> ModelIdentity:
+        """An engine's model identity (default engine): what index manifests are checked against."""
+        return ModelIdentity.from_spec((engine or self.require_embedder()).spec)
+
+    def engine_for_index(self, manifest) -> EmbedEngine:
+        """The served engine whose model built this index version; if none, the manifest's own
+        409 against the default model (never embed a query with one model to search another's)."""
+        self.require_embedder()
+        for engine in self.embedders.values():
+            try:
+                manifest.check(self.identity(engine), "serve")
+                return engine
+            except ConflictError:
+                continue
+        manifest.check(self.identity(), "serve")       # raises the default model's 409, field by field
         return self.embedder
-
-    def identity(self) -> ModelIdentity:
-        """The served embedding model's identity (what index manifests are checked against)."""
-        return ModelIdentity.from_spec(self.require_embedder().spec)
-
-    def check_model(self, requested: str | None, what: str = "") -> None:
-        """404 unless `requested` (a request's `model`) names the served embedding model."""
-        engine = self.require_embedder()
-        if requested is not None and requested not in (self.served_name, engine.spec.name):
-            raise NotFoundError(f"model {requested!r} is not served here; this server serves "
-                                f"{self.served_name!r}{what} (GET /v1/models)", param="model")

@@ -17,8 +17,8 @@ def build_router(state: AppState) -> APIRouter:
 
     @router.get("/health")
     async def health():
-        if state.embedder is not None and not state.embedder.health():
-            return error_response(UnavailableError("the embedding engine thread has stopped"))
+        if any(not e.health() for e in state.embedders.values()):
+            return error_response(UnavailableError("an embedding engine thread has stopped"))
         if state.generator is not None and not state.generator.health():
             return error_response(UnavailableError("the generation engine thread has stopped"))
         return {"status": "ok"}
@@ -38,14 +38,13 @@ def build_router(state: AppState) -> APIRouter:
     @router.get("/v1/models")
     async def models():
         data = []
-        if state.ready and state.embedder is not None:
-            eng = state.embedder
+        for name, eng in (state.embedders.items() if state.ready else ()):
             spec = eng.spec
-            data.append({"id": state.served_name, "object": "model", "created": state.created,
+            data.append({"id": name, "object": "model", "created": state.created,
                          "owned_by": "embedserve", "dimensions": spec.dim,
                          "max_input_length": eng.max_input_length, "pooling": spec.pooling,
                          "embedding_types": ["dense"] + sorted(eng.embedding_types - {"dense"}),
-                         "dtype": spec.dtype, "limits": _limits(state)})
+                         "dtype": spec.dtype, "fingerprint": spec.fingerprint, "limits": _limits(state, eng)})
         if state.generator is not None:
             g = state.generator
             data.append({"id": g.name, "object": "model", "created": state.created, "owned_by": "embedserve",
@@ -55,9 +54,9 @@ def build_router(state: AppState) -> APIRouter:
     return router
 
 
-def _limits(state: AppState) -> dict:
+def _limits(state: AppState, engine) -> dict:
     """What a client must stay under (embedserve.client splits its requests by these)."""
     cfg = state.config
     return {"max_client_batch_size": cfg.max_client_batch_size, "max_batch_tokens": cfg.max_batch_tokens,
             "max_queued_tokens": cfg.max_queued_tokens, "max_body_bytes": cfg.max_body_bytes,
-            "max_input_length": state.embedder.max_input_length}
+            "max_input_length": engine.max_input_length}

@@ -21,6 +21,12 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                            help=f"{f.metadata.get('help', '')} [env EMBEDSERVE_{f.name.upper()}]")
             continue
+        if f.name == "model":           # given more than once: several embedding models, one engine each
+            p.add_argument(flag, action="append", default=None,
+                           help=f"{f.metadata.get('help', '')}; repeat to serve several "
+                                f"[env EMBEDSERVE_MODEL, comma-separated; default {default!r}]")
+            p.set_defaults(model_default=default)
+            continue
         typ = {"int": int, "int | None": int, "float | None": float, "float": float}.get(f.type, str)
         p.add_argument(flag, type=typ, default=default,
                        help=f"{f.metadata.get('help', '')} [env EMBEDSERVE_{f.name.upper()}; default {default!r}]"
@@ -28,7 +34,9 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args) -> ServerConfig:
-    return ServerConfig(**{f.name: getattr(args, f.name) for f in config_fields()})
+    values = {f.name: getattr(args, f.name) for f in config_fields()}
+    values["model"] = ",".join(args.model) if args.model else args.model_default
+    return ServerConfig(**values)
 
 
 def register(subparsers) -> None:
@@ -57,13 +65,16 @@ def cmd_serve(args) -> int:
     cfg = config_from_args(args)
     _setup_logging(cfg.log_level)
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
-    name, path = resolve_model(cfg.model)
-    plan = embed_memory_plan(path, cfg)
-    for line in plan.lines():
-        logger.info(line)
+    resolved = [resolve_model(m) for m in cfg.models]
+    embed_bytes = 0
+    for name, path in resolved:
+        plan = embed_memory_plan(path, cfg)
+        embed_bytes += plan.total
+        for line in plan.lines():
+            logger.info("%s: %s", name, line)
     gen_loader = None
     if cfg.generate_model != "none":
-        gname, gpath, gplan = plan_generator(cfg, embed_bytes=plan.total)
+        gname, gpath, gplan = plan_generator(cfg, embed_bytes=embed_bytes)
         for line in gplan.lines():
             logger.info(line)
         gen_loader = lambda: load_generator(cfg, gname, gpath, gplan)  # noqa: E731
@@ -78,7 +89,8 @@ def cmd_serve(args) -> int:
         if "server" in server_box:
             server_box["server"].should_exit = True
 
-    app = build_app(cfg, loader=lambda: EmbeddingModel(path, name=name, dtype=cfg.dtype, device=cfg.device),
+    app = build_app(cfg, loader=lambda: [EmbeddingModel(path, name=name, dtype=cfg.dtype, device=cfg.device)
+                                         for name, path in resolved],
                     on_load_error=on_load_error, gen_loader=gen_loader)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                                            access_log=False, timeout_graceful_shutdown=10))
@@ -92,14 +104,17 @@ def cmd_plan(args) -> int:
     from ..models.registry import resolve_model
 
     cfg = config_from_args(args)
-    name, path = resolve_model(cfg.model)
-    plan = embed_memory_plan(path, cfg)
-    print(f"model {name} ({path})")
-    for line in plan.lines():
-        print(line)
+    embed_bytes = 0
+    for model in cfg.models:
+        name, path = resolve_model(model)
+        plan = embed_memory_plan(path, cfg)
+        embed_bytes += plan.total
+        print(f"model {name} ({path})")
+        for line in plan.lines():
+            print(line)
     if cfg.generate_model != "none":
         from ..serve import plan_generator
-        gname, gpath, gplan = plan_generator(cfg, embed_bytes=plan.total)
+        gname, gpath, gplan = plan_generator(cfg, embed_bytes=embed_bytes)
         print(f"generate model {gname} ({gpath})")
         for line in gplan.lines():
             print(line)
