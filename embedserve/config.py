@@ -11,6 +11,16 @@ from .errors import ConfigError
 
 DEFAULT_MODEL = "multilingual-e5-small"
 DEFAULT_GENERATE_MODEL = "SmolLM2-135M-Instruct"
+DTYPES = ("auto", "float32", "bfloat16", "int8")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "float": "float32"}
+
+
+def normalize_dtype(dtype: str, allowed: tuple[str, ...] = DTYPES, flag: str = "--dtype") -> str:
+    """The canonical name of `dtype`, or ConfigError naming the choices."""
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name not in allowed:
+        raise ConfigError(f"{flag} {dtype!r}: choose {', '.join(allowed)}")
+    return name
 
 
 @dataclass(slots=True)
@@ -57,8 +67,7 @@ class ServerConfig:
             raise ConfigError(f"--memory-utilization {self.memory_utilization} must be a fraction in (0, 1)")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
-        if self.dtype not in ("auto", "float32", "bfloat16", "int8", "fp32", "bf16"):
-            raise ConfigError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or int8")
+        self.dtype = normalize_dtype(self.dtype)
         for name in ("max_batch_tokens", "max_batch_size", "max_client_batch_size", "max_queued_tokens",
                      "max_concurrent_requests", "max_body_bytes"):
             if getattr(self, name) < 1:

@@ -11,8 +11,8 @@ import torch
 from .config import ServerConfig
 from .errors import ConfigError
 from .models.embedding_model import fingerprint_dir
-from .precision import decoder_precision, encoder_precision
 from .models.encoder import EncoderConfig, activation_bytes, model_weight_bytes
+from .precision import decoder_precision, encoder_precision
 
 
 @dataclass(slots=True)
@@ -57,9 +57,7 @@ def embed_memory_plan(model_dir: Path, config: ServerConfig) -> MemoryPlan:
     cfg = EncoderConfig.from_dir(model_dir)
     max_len = config.check_model_limits(cfg.max_input_length)
     precision = encoder_precision(config.dtype, config.device, fingerprint_dir(model_dir))
-    # int8 loads float32 weights first and quantizes them: budget float32 (and while the
-    # probe has not chosen, the widest candidate)
-    bpe = 2 if precision.dtype == "bfloat16" else 4
+    bpe = 2 if precision.planning_dtype == "bfloat16" else 4
     plan = MemoryPlan(dtype=precision.describe(), weights=model_weight_bytes(model_dir, bpe),
                       activations=activation_bytes(cfg, config.max_batch_tokens, max_len, bpe),
                       available=available_memory(config.device))

@@ -19,6 +19,7 @@ its speed on one batch) runs once per model fingerprint and machine; its outcome
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -29,15 +30,14 @@ from pathlib import Path
 
 import torch
 
+from .config import normalize_dtype
 from .errors import ConfigError
 from .paths import embedserve_home
 
 logger = logging.getLogger(__name__)
 
 FAST_BF16_ENV = "EMBEDSERVE_FAST_BF16"
-ENCODER_DTYPES = ("auto", "float32", "bfloat16", "int8")
 DECODER_DTYPES = ("float32", "bfloat16")
-ALIASES = {"fp32": "float32", "bf16": "bfloat16", "float": "float32"}
 # Accuracy gates: the minimum cosine of a candidate's dense embeddings to fp32's on the probe
 # texts. bf16 keeps ~3 significant digits, so 0.999 holds for any sane model; int8 must stay
 # within 0.99 (and the index retrieval test checks its recall@10 on a real set).
@@ -45,14 +45,6 @@ GATES = {"bfloat16": 0.999, "int8": 0.99}
 # Measured with embedserve.bench.decode_bench on a 2-core EPYC with AVX512-BF16 (BENCHMARKS.md):
 # bf16 decoding ran 1.25x fp32 at 16 concurrent sequences and 2.1x alone (--precision run).
 DECODER_BF16_FASTER_ON_CPU = True
-
-
-def normalize_dtype(dtype: str, allowed: tuple[str, ...] = ENCODER_DTYPES, flag: str = "--dtype") -> str:
-    """The canonical name of `dtype`, or ConfigError naming the choices."""
-    name = ALIASES.get(dtype, dtype)
-    if name not in allowed:
-        raise ConfigError(f"{flag} {dtype!r}: choose {', '.join(allowed)}")
-    return name
 
 
 def fast_bf16_available(device: torch.device | str = "cpu") -> bool:
@@ -67,14 +59,24 @@ def fast_bf16_available(device: torch.device | str = "cpu") -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(CPU model name, flags) of the first CPU in /proc/cpuinfo, read once."""
+    model, flags = "", frozenset()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = frozenset(value.split())
     except OSError:
         pass
-    return set()
+    return model, flags
+
+
+def cpu_flags() -> frozenset[str]:
+    return _cpuinfo()[1]
 
 
 def machine_key(device: torch.device | str = "cpu") -> str:
@@ -83,13 +85,8 @@ def machine_key(device: torch.device | str = "cpu") -> str:
     if device.type == "cuda":
         what = torch.cuda.get_device_name(device)
     else:
-        model = ""
-        try:
-            model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith("model name")), "")
-        except OSError:
-            pass
-        flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))
+        model, all_flags = _cpuinfo()
+        flags = sorted(f for f in all_flags if f.startswith(("avx", "amx")))
         what = f"{model}|{' '.join(flags)}|threads={torch.get_num_threads()}|fast_bf16={fast_bf16_available(device)}"
     return hashlib.sha256(f"{platform.machine()}|{device.type}|{what}".encode()).hexdigest()[:16]
 
@@ -167,8 +164,9 @@ class EncoderPrecision:
 
     @property
     def planning_dtype(self) -> str:
-        """The widest precision it may end up with (what a memory plan must budget for)."""
-        return self.dtype or "float32"
+        """What a memory plan budgets for: int8 loads float32 weights first and quantizes them,
+        and while the probe has not chosen, the widest candidate (float32)."""
+        return "bfloat16" if self.dtype == "bfloat16" else "float32"
 
 
 def encoder_precision(requested: str, device, fingerprint: str | None) -> EncoderPrecision:

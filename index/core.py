@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 512
 MAX_METADATA_BYTES = 64 * 1024
+# Held by anyone with a temp file in a version directory (snapshots, a migration's checkpoint):
+# an opening Index removes stray temp files under it, so it never removes a live writer's.
+TEMP_LOCK = ".lock"
 NORM_TOLERANCE = 1e-3          # fp32 models normalize to ~1e-7; bf16 ones to ~1e-3
 
 
@@ -45,7 +48,7 @@ class Index:
         self.verify_checksums = verify_checksums
         self._lock = threading.RLock()
         self._closed = False
-        with file_lock(self.path / ".lock"):     # snapshot writers hold it while their temp files exist
+        with file_lock(self.path / TEMP_LOCK):   # writers of temp files here hold it meanwhile
             clean_temp(self.path)
         self.manifest = Manifest.load(self.path)
         if identity is not None:
@@ -239,7 +242,7 @@ class Index:
     def snapshot(self) -> bool:
         """Write FAISS + postings under new names, then commit them by replacing the manifest.
         Returns False when the files on disk already hold every write."""
-        with self._lock, file_lock(self.path / ".lock"):
+        with self._lock, file_lock(self.path / TEMP_LOCK):
             self.catch_up()
             on_disk = Manifest.load(self.path)
             if on_disk.files and on_disk.applied_seq >= self.applied:

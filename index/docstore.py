@@ -299,9 +299,9 @@ class DocStore:
                                  "LIMIT ?", (label, limit)).fetchall()
         return [(r[0], Document(r[1], r[2], json.loads(r[3]))) for r in rows]
 
-    def fingerprints(self) -> dict[str, tuple[str, str]]:
-        """ext id -> (content hash, metadata JSON) of every live document (catch-up compares these)."""
-        return {r[0]: (r[1], r[2]) for r in self.conn.execute("SELECT ext_id, content_hash, metadata FROM docs")}
+    def ids(self) -> set[str]:
+        """The ext ids of every live document (a reindex's catch-up finds deletions by these)."""
+        return {r[0] for r in self.conn.execute("SELECT ext_id FROM docs")}
 
     def integrity(self) -> str:
         return self.conn.execute("PRAGMA quick_check").fetchone()[0]

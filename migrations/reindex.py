@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Callable
 
 from index import ops
-from index.core import Index
+from index.core import TEMP_LOCK, Index
 from index.docstore import DB_NAME
-from index.durable import atomic_write
+from index.durable import atomic_write, file_lock
 from index.docstore import RETIRED
 from index.store import IndexStore
 
@@ -53,7 +53,7 @@ class Checkpoint:
     finished: bool = False
 
     def save(self, version_dir: Path) -> None:
-        atomic_write(version_dir / CHECKPOINT, json.dumps(asdict(self), indent=2).encode())
+        _write_in_version(version_dir, CHECKPOINT, json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, version_dir: Path) -> "Checkpoint | None":
@@ -61,6 +61,13 @@ class Checkpoint:
             return cls(**json.loads((version_dir / CHECKPOINT).read_text()))
         except (OSError, ValueError, TypeError):
             return None
+
+
+def _write_in_version(version_dir: Path, name: str, text: str) -> None:
+    """Atomically write a file into a version directory, under its temp lock: a process opening
+    that version meanwhile cleans stray temp files and must not take ours for a dead writer's."""
+    with file_lock(version_dir / TEMP_LOCK):
+        atomic_write(version_dir / name, text.encode())
 
 
 def _target(store: IndexStore, name: str, live: str, embedder) -> tuple[str, Checkpoint]:
@@ -96,7 +103,7 @@ def _copy(old: Index, new: Index, embedder, ck: Checkpoint, new_dir: Path, batch
 
 def _drop_deleted(old: Index, new: Index) -> int:
     """Delete from `new` what the live version deleted meanwhile (compared by id)."""
-    gone = sorted(set(new.docs.fingerprints()) - set(old.docs.fingerprints()))
+    gone = sorted(new.docs.ids() - old.docs.ids())
     if gone:
         new.delete(gone)
     return len(gone)
@@ -120,8 +127,9 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
         old = store.open(name, version=live)
         new = store.open(name, embedder.identity, version=version)
         try:
-            _copy(old, new, embedder, ck, new_dir, batch_docs, on_batch)
-            for _ in range(max_passes):                    # catch up until the gap is small
+            # the first pass copies everything; the next ones catch up with writes made meanwhile,
+            # until the gap is small (the last one runs under the write lock at the swap)
+            for _ in range(max_passes):
                 moved = _copy(old, new, embedder, ck, new_dir, batch_docs, on_batch) + _drop_deleted(old, new)
                 if moved <= batch_docs:
                     break
@@ -129,37 +137,40 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
             if not report.ok:
                 raise GateFailed(f"the gate refused {name}/{version}; {live} stays live: "
                                  + "; ".join(report.failures()), report)
+            if not dry_run:
+                _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report)
+                ck.finished = True
+                ck.save(new_dir)
             entry = _entry(name, old_manifest, live, version, embedder, ck, report, t0)
-            if dry_run:
-                return {**entry, "swapped": False}
-            _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report)
-            ck.finished = True
-            ck.save(new_dir)
-            entry = _entry(name, old_manifest, live, version, embedder, ck, report, t0)
-            ledger.append(index_dir, entry)
-            return {**entry, "swapped": True}
+            if not dry_run:
+                ledger.append(index_dir, entry)
+            return {**entry, "swapped": not dry_run}
         finally:
             old.close(snapshot=False)
             new.close()
 
 
 def _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report: GateReport) -> None:
-    """The last catch-up and the swap, with writers to the live version held off."""
-    lock = sqlite3.connect(str(old.path / DB_NAME), timeout=60, isolation_level=None)
-    try:
-        lock.execute("BEGIN IMMEDIATE")                   # writers wait; readers go on
-        _copy(old, new, embedder, ck, new_dir, batch_docs, None)
-        _drop_deleted(old, new)
-        n_old, n_new = old.docs.counts()["documents"], new.docs.counts()["documents"]
-        if n_old != n_new:
-            report.check("counts_at_swap", False, f"live {n_old}, new {n_new}")
-            raise GateFailed(f"counts differ at the swap (live {n_old}, new {n_new}); nothing swapped", report)
-        new.snapshot()
-        atomic_write(old.path / RETIRED, f"{new.version}\n".encode())
-        store.set_current(name, new.version)
-    finally:
-        lock.execute("ROLLBACK") if lock.in_transaction else None
-        lock.close()
+    """The last catch-up and the swap, with writers to the live version held off. Locks are
+    taken in the order an index's snapshot takes them (the version's temp lock, then SQLite's),
+    so a server snapshotting the live version meanwhile cannot deadlock with us."""
+    with file_lock(old.path / TEMP_LOCK):
+        lock = sqlite3.connect(str(old.path / DB_NAME), timeout=60, isolation_level=None)
+        try:
+            lock.execute("BEGIN IMMEDIATE")                   # writers wait; readers go on
+            _copy(old, new, embedder, ck, new_dir, batch_docs, None)
+            _drop_deleted(old, new)
+            n_old, n_new = old.docs.counts()["documents"], new.docs.counts()["documents"]
+            if n_old != n_new:
+                report.check("counts_at_swap", False, f"live {n_old}, new {n_new}")
+                raise GateFailed(f"counts differ at the swap (live {n_old}, new {n_new}); nothing swapped", report)
+            new.snapshot()
+            atomic_write(old.path / RETIRED, f"{new.version}\n".encode())   # we hold its temp lock
+            store.set_current(name, new.version)
+        finally:
+            if lock.in_transaction:
+                lock.execute("ROLLBACK")              # nothing was written through it: only the lock
+            lock.close()
 
 
 def _entry(name, old_manifest, live, version, embedder, ck: Checkpoint, report: GateReport, t0: float) -> dict:
@@ -184,7 +195,7 @@ def rollback(store: IndexStore, name: str) -> dict:
                                  "roll back", code="nothing_to_roll_back")
         parent = last["parent"]
         (store.version_dir(name, parent) / RETIRED).unlink(missing_ok=True)
-        atomic_write(store.version_dir(name, live) / RETIRED, f"{parent}\n".encode())
+        _write_in_version(store.version_dir(name, live), RETIRED, f"{parent}\n")
         t0 = time.time()
         store.set_current(name, parent)
         entry = {"kind": "rollback", "index": name, "parent": live, "version": parent,

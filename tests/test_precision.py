@@ -109,7 +109,7 @@ def test_auto_probes_once_and_plan_names_what_serve_loads(fast, home, minilm_dir
     monkeypatch.setenv(precision.FAST_BF16_ENV, fast)
     calls = []
 
-    def probe(self, candidates, texts=None):
+    def probe(self, candidates, texts=None, keep=None):
         calls.append(tuple(candidates))
         return _probe(bf16=0.9999 if fast == "1" else 0.0, int8=0.99 if fast == "1" else 0.995,
                       speeds={"float32": 1000, "bfloat16": 3000 if fast == "1" else 250, "int8": 2800})
@@ -129,7 +129,7 @@ def test_auto_probes_once_and_plan_names_what_serve_loads(fast, home, minilm_dir
 
 def test_auto_keeps_fp32_when_nothing_passes(home, minilm_dir, monkeypatch):
     monkeypatch.setenv(precision.FAST_BF16_ENV, "1")
-    monkeypatch.setattr(em.EmbeddingModel, "probe_precisions", lambda self, c, texts=None: _probe(bf16=0.99, int8=0.9))
+    monkeypatch.setattr(em.EmbeddingModel, "probe_precisions", lambda self, c, texts=None, keep=None: _probe(bf16=0.99, int8=0.9))
     model = em.EmbeddingModel(minilm_dir, dtype="auto")
     assert model.spec.dtype == "float32"
     out, _ = model.embed(model.tokenize(["hello"]), {"dense"})
@@ -137,7 +137,7 @@ def test_auto_keeps_fp32_when_nothing_passes(home, minilm_dir, monkeypatch):
 
 
 def test_int8_is_refused_where_it_drifts(home, minilm_dir, monkeypatch):
-    monkeypatch.setattr(em.EmbeddingModel, "agreement", lambda self, dtype, texts=None: 0.91)
+    monkeypatch.setattr(em.EmbeddingModel, "_agreement", lambda self, dtype, ids: (0.91, None))
     with pytest.raises(ConfigError, match=r"--dtype int8 is not accurate enough.*0\.91"):
         em.EmbeddingModel(minilm_dir, dtype="int8")
 

@@ -83,7 +83,7 @@ def test_reindex_swap_rollback_and_ledger(built, tmp_path, minilm_model, e5_mode
         assert ix.manifest.model == "multilingual-e5-small" and ix.counts()["documents"] == N_DOCS
         assert search_text(ix, new, "Which river flows through Vienna?", top_k=1)[0].id == "added-later"
         assert search_text(ix, new, "glaciers in Norway", top_k=1)[0].id == _wiki_docs()[3].id
-        assert _wiki_docs()[5].id not in ix.docs.fingerprints()
+        assert _wiki_docs()[5].id not in ix.docs.ids()
         with pytest.raises(ConflictError):       # the old model can no longer search the live version
             search_text(ix, old, "anything")
 

@@ -34,6 +34,8 @@ from .state import AppState
 
 logger = logging.getLogger(__name__)
 
+_BOUND = " and its indexes are bound to it"      # said when a request names a model not served
+
 
 class CreateIndexRequest(BaseModel):
     """POST /v1/indexes."""
@@ -150,13 +152,12 @@ def build_router(state: AppState) -> APIRouter:
         await run_in_threadpool(indexes.close_all)
 
     router = APIRouter(lifespan=lifespan)
-    bound = " and its indexes are bound to it"
 
     @router.post("/v1/indexes", status_code=201)
     async def create_index(request: Request):
         body = await parse_body(request, CreateIndexRequest)
         name = check_name(body.name)
-        ident = state.identity(state.require_embedder(body.model, bound))
+        ident = state.identity(state.require_embedder(body.model, _BOUND))
         dense = DenseConfig(kind=body.dense, hnsw_m=body.hnsw_m, ef_construction=body.ef_construction,
                             ef_search=body.ef_search)
         info = await run_in_threadpool(indexes.create, name, ident, dense)
@@ -235,7 +236,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
     async def search(request: Request):
         body = await parse_body(request, SearchRequest)
         name = check_name(body.index)
-        requested = state.require_embedder(body.model, " and its indexes are bound to it")
+        requested = state.require_embedder(body.model, _BOUND)
         if not body.query.strip():
             raise ValidationError("`query` is blank; send the text to search for", param="query")
         # the index version and the model that built it, taken together: a swap of `CURRENT`

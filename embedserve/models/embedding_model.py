@@ -10,6 +10,7 @@ never in the HTTP layer. BGE-M3 (FlagEmbedding's formulas), from one forward pas
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -103,11 +104,20 @@ def read_conventions(path: Path) -> dict:
 
 
 def fingerprint_dir(path: Path) -> str:
-    """sha256 over the weights, heads and tokenizer: two models share it only if identical."""
-    h = hashlib.sha256()
+    """sha256 over the weights, heads and tokenizer: two models share it only if identical.
+    Hashed once per process while the files are unchanged (the memory plan and the loaded
+    model both need it; a model's weights are hundreds of MB)."""
+    path = Path(path).resolve()
     names = sorted(p.name for p in path.iterdir()
                    if p.suffix in (".safetensors", ".pt") or p.name in ("tokenizer.json", "config.json"))
-    for name in names:
+    stats = tuple((n, st.st_size, st.st_mtime_ns) for n in names for st in [(path / n).stat()])
+    return _fingerprint(path, stats)
+
+
+@functools.lru_cache(maxsize=32)
+def _fingerprint(path: Path, stats: tuple) -> str:
+    h = hashlib.sha256()
+    for name, _size, _mtime in stats:
         h.update(name.encode())
         with open(path / name, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -143,8 +153,8 @@ class EmbeddingModel:
             self.colbert_head = _load_head(self.path / "colbert_linear.pt", self.device)
         self.special_ids = self._special_ids()
         self.fingerprint = fingerprint_dir(self.path)
-        self.precision = self._settle_precision(dtype)
-        self.encoder = load_encoder(self.path, self.precision, self.device)
+        self.precision, encoder = self._settle_precision(dtype)
+        self.encoder = encoder or load_encoder(self.path, self.precision, self.device)
         self.spec = ModelSpec(
             name=name or conv.get("name") or self.path.name, path=str(self.path),
             model_type=self.cfg.model_type, dim=self.cfg.hidden_size, pooling=self.pooling,
@@ -182,28 +192,33 @@ class EmbeddingModel:
                 ids.add(i)
         return ids
 
-    def _settle_precision(self, requested: str) -> str:
+    def _settle_precision(self, requested: str) -> tuple[str, Encoder | None]:
         """The encoder's precision (`embedserve.precision` decides; the probe runs here once per
-        model and machine when `auto` has not measured this one yet)."""
+        model and machine when `auto` has not measured this one yet), and the encoder in it if
+        deciding already built one."""
         choice = encoder_precision(requested, self.device, self.fingerprint)
         if choice.dtype is None:
-            result = self.probe_precisions(choice.candidates)
+            kept: dict[str, Encoder] = {}
+            result = self.probe_precisions(choice.candidates, keep=kept)
             store_probe(self.fingerprint, self.device, result)
             dtype = result.fastest_passing()
             logger.info("dtype auto -> %s (%s)", dtype, precision_reason(result, dtype))
-            return dtype
+            return dtype, kept.get(dtype)
+        encoder = None
         if choice.requested == "int8":
             cached = cached_probe(self.fingerprint, self.device)
             cos = cached.min_cosine.get("int8") if cached else None
             if cos is None:
-                cos = self.agreement("int8")
+                cos, encoder = self._agreement(choice.dtype, self.tokenize(PROBE_TEXTS))
             check_gate("int8", cos, self.path.name)
         logger.info("dtype %s -> %s (%s)", choice.requested, choice.dtype, choice.reason)
-        return choice.dtype
+        return choice.dtype, encoder
 
-    def probe_precisions(self, candidates, texts: list[str] | None = None) -> ProbeResult:
+    def probe_precisions(self, candidates, texts: list[str] | None = None,
+                         keep: dict | None = None) -> ProbeResult:
         """Each candidate's minimum cosine to float32 on the probe texts and its speed on one
-        ~2,000-token batch of them (best of three, after a warm-up), float32's too."""
+        ~2,000-token batch of them (best of three, after a warm-up), float32's too. With `keep`,
+        the encoder of the precision chosen so far stays in it (only that one: memory)."""
         ids = self.tokenize(texts or PROBE_TEXTS)
         batch = (ids * (1 + 2000 // sum(map(len, ids))))[:256]
         result = ProbeResult()
@@ -220,13 +235,19 @@ class EmbeddingModel:
             else:
                 result.min_cosine[dtype] = _min_cosine(ref, dense)
             result.tokens_per_s[dtype] = _tokens_per_s(lambda: self._embed_with(enc, batch, {"dense"}), batch)
+            if keep is not None and result.fastest_passing() == dtype:
+                keep.clear()
+                keep[dtype] = enc
         return result
 
     def agreement(self, dtype: str, texts: list[str] | None = None) -> float:
         """Minimum cosine between `dtype`'s and float32's dense embeddings of `texts` (probe set by default)."""
-        ids = self.tokenize(texts or PROBE_TEXTS)
+        return self._agreement(dtype, self.tokenize(texts or PROBE_TEXTS))[0]
+
+    def _agreement(self, dtype: str, ids: list[list[int]]) -> tuple[float, Encoder]:
         ref = self._dense_with(load_encoder(self.path, "float32", self.device), ids)
-        return _min_cosine(ref, self._dense_with(load_encoder(self.path, dtype, self.device), ids))
+        encoder = load_encoder(self.path, dtype, self.device)
+        return _min_cosine(ref, self._dense_with(encoder, ids)), encoder
 
     def _dense_with(self, encoder: Encoder, ids: list[list[int]]) -> np.ndarray:
         return np.stack([o.dense for o in self._embed_with(encoder, ids, {"dense"})[0]])
