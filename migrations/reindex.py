@@ -24,9 +24,9 @@ from typing import Callable
 
 from index import ops
 from index.core import TEMP_LOCK, Index
-from index.docstore import DB_NAME
+from index.docstore import DB_NAME, RETIRED
 from index.durable import atomic_write, file_lock
-from index.docstore import RETIRED
+from index.embedder import DocumentVectors
 from index.store import IndexStore
 
 from . import ledger
@@ -85,20 +85,41 @@ def _target(store: IndexStore, name: str, live: str, embedder) -> tuple[str, Che
 
 
 def _copy(old: Index, new: Index, embedder, ck: Checkpoint, new_dir: Path, batch_docs: int,
-          on_batch: Callable[[int], None] | None) -> int:
-    """Copy every live document written after the checkpoint; returns how many were read."""
+          on_batch: Callable[[int], None] | None, engine=None) -> int:
+    """Copy every live document written after the checkpoint, embedded in process or (bulk) by
+    `engine` (a `RayEngine`); returns how many were read."""
+    if engine is not None:
+        labels = old.docs.labels_after(ck.copied_upto)
+        batches = engine.batches(old.path / DB_NAME, labels, ck.copied_upto, batch_docs,
+                                 embedder.identity.fingerprint)
+    else:
+        batches = _local_batches(old, ck, batch_docs)
     total = 0
-    while True:
-        rows = old.docs.documents_after(ck.copied_upto, batch_docs)
-        if not rows:
-            return total
-        result = ops.upsert_documents(new, [doc for _, doc in rows], embedder)
-        ck.embedded += result.added + result.replaced
+    for rows, vectors in batches:
+        docs = [doc for _, doc in rows]
+        if vectors is None:                   # in process: only new or changed texts are embedded
+            result = ops.upsert_documents(new, docs, embedder)
+            ck.embedded += result.added + result.replaced
+        else:                                 # embedded elsewhere: keep what this version already holds
+            todo = ops.plan_upsert(new, docs)
+            cut = set(vectors.truncated)
+            ops.commit_upsert(new, docs, todo, DocumentVectors([vectors.dense[i] for i in todo],
+                                                               [vectors.sparse[i] for i in todo],
+                                                               [j for j, i in enumerate(todo) if i in cut]),
+                              embedder.identity)
+            ck.embedded += len(docs)
         ck.copied_upto = rows[-1][0]
         ck.save(new_dir)                      # after the batch is committed: at most this batch twice
         total += len(rows)
         if on_batch:
             on_batch(len(rows))
+    return total
+
+
+def _local_batches(old: Index, ck: Checkpoint, batch_docs: int):
+    """Batches of live documents after the checkpoint (read as it advances), vectors left to the caller."""
+    while rows := old.docs.documents_after(ck.copied_upto, batch_docs):
+        yield rows, None
 
 
 def _drop_deleted(old: Index, new: Index) -> int:
@@ -111,9 +132,11 @@ def _drop_deleted(old: Index, new: Index) -> int:
 
 def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sample: int = 1000,
             dry_run: bool = False, old_embedder=None, on_batch: Callable[[int], None] | None = None,
-            max_passes: int = 5) -> dict:
+            max_passes: int = 5, engine=None) -> dict:
     """Run (or resume) the migration of `name` to `embedder`'s model; returns its ledger entry
-    (with `swapped: False` on a dry run). Raises GateFailed, leaving the live version untouched."""
+    (with `swapped: False` on a dry run). Raises GateFailed, leaving the live version untouched.
+    With `engine` (a `migrations.ray_engine.RayEngine`) the first, bulk pass is embedded on Ray;
+    the catch-up passes (small by then), the gate and the swap run here with `embedder`."""
     index_dir = store.index_dir(name)
     with migration_lock(index_dir, name):
         live = store.current(name)
@@ -129,8 +152,9 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
         try:
             # the first pass copies everything; the next ones catch up with writes made meanwhile,
             # until the gap is small (the last one runs under the write lock at the swap)
-            for _ in range(max_passes):
-                moved = _copy(old, new, embedder, ck, new_dir, batch_docs, on_batch) + _drop_deleted(old, new)
+            for p in range(max_passes):
+                moved = (_copy(old, new, embedder, ck, new_dir, batch_docs, on_batch, engine if p == 0 else None)
+                         + _drop_deleted(old, new))
                 if moved <= batch_docs:
                     break
             report = run_gate(old, new, embedder, sample=sample, old_embedder=old_embedder)
@@ -142,6 +166,7 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
                 ck.finished = True
                 ck.save(new_dir)
             entry = _entry(name, old_manifest, live, version, embedder, ck, report, t0)
+            entry["engine"] = "ray" if engine is not None else "in-process"
             if not dry_run:
                 ledger.append(index_dir, entry)
             return {**entry, "swapped": not dry_run}

@@ -79,6 +79,20 @@ def test_index_and_kernels_import_nothing_from_embedserve():
     assert _violations(("index", "kernels"), ("embedserve",)) == []
 
 
+def test_ray_is_imported_only_by_the_ray_engine_and_only_inside_it():
+    """Ray is an optional extra: one module uses it, lazily, so `import embedserve` never needs it."""
+    users = set()
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(m == "ray" or m.startswith("ray.") for m in mods):
+                users.add(name)
+                assert node not in tree.body, f"{name} imports ray at module level"
+    assert users == {"migrations.ray_engine"}
+
+
 def test_no_two_modules_import_each_other():
     pairs = sorted({tuple(sorted((a, b))) for a, deps in GRAPH.items() for b in deps if a in GRAPH.get(b, ())})
     assert pairs == []

@@ -27,6 +27,7 @@ from index.store import IndexStore
 from migrations import ledger
 from migrations.errors import GateFailed, MigrationError
 from migrations.lock import migration_lock
+from migrations.ray_engine import RayEngine, shards
 from migrations.reindex import CHECKPOINT, reindex, rollback
 
 N_DOCS = 520
@@ -56,6 +57,21 @@ def built(tmp_path_factory, minilm_model):
 def _copy(built: Path, tmp_path: Path) -> IndexStore:
     shutil.copytree(built, tmp_path / "ix")
     return IndexStore(tmp_path / "ix")
+
+
+def _vectors(store: IndexStore) -> dict:
+    """id -> (dense, sparse) of the live version."""
+    with store.open("wiki") as ix:
+        return {r[1]: (r[4], r[5]) for batch in ix.docs.iter_docs() for r in batch}
+
+
+@pytest.fixture(scope="module")
+def in_process(built, tmp_path_factory, e5_model):
+    """The vectors of an uninterrupted in-process reindex to e5 (the reference for the kill and
+    Ray tests)."""
+    ref = _copy(built, tmp_path_factory.mktemp("ref"))
+    reindex(ref, "wiki", ModelEmbedder(e5_model), batch_docs=20, sample=200)
+    return _vectors(ref)
 
 
 def test_reindex_swap_rollback_and_ledger(built, tmp_path, minilm_model, e5_model):
@@ -139,7 +155,7 @@ def _run_cli(root: Path, *extra) -> subprocess.Popen:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_killed_at_10_50_99_percent_resumes_to_the_same_result(built, tmp_path, e5_model):
+def test_killed_at_10_50_99_percent_resumes_to_the_same_result(built, tmp_path, in_process):
     store = _copy(built, tmp_path)
     with store.open("wiki") as ix:
         top_label = int(ix.docs.live_labels().max())
@@ -165,15 +181,42 @@ def test_killed_at_10_50_99_percent_resumes_to_the_same_result(built, tmp_path, 
     assert proc.returncode == 0, out
     assert store.current("wiki") == "v2"
 
-    ref = _copy(built, tmp_path / "ref")
-    reindex(ref, "wiki", ModelEmbedder(e5_model), batch_docs=20, sample=200)
-    with store.open("wiki") as a, ref.open("wiki") as b:
-        va = {r[1]: r[4] for batch in a.docs.iter_docs() for r in batch}
-        vb = {r[1]: r[4] for batch in b.docs.iter_docs() for r in batch}
-        assert va.keys() == vb.keys() and len(va) == N_DOCS
-        assert max(float(np.abs(va[k] - vb[k]).max()) for k in va) <= 1e-6
+    va = _vectors(store)
+    assert va.keys() == in_process.keys() and len(va) == N_DOCS
+    assert max(float(np.abs(va[k][0] - in_process[k][0]).max()) for k in va) <= 1e-6
+    with store.open("wiki") as a:
         writes = a.docs.seq()                    # one write (one embedding) per document written
     assert N_DOCS <= writes <= N_DOCS + 20 * kills, writes
+
+
+def test_ray_engine_equals_the_in_process_reindex(built, tmp_path, in_process):
+    """`--engine ray` on a local Ray (2 CPUs, 2 actors): Ray Data reads the shards, the actor pool
+    embeds, the results come back in label order; same ids and vectors as in process."""
+    pytest.importorskip("ray.data", reason="the ray extra: pip install 'embedserve[ray]' (CI installs it)")
+    store = _copy(built, tmp_path)
+    proc = _run_cli(store.root, "--engine", "ray", "--batch-docs", "128")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    entry = json.loads(out[out.rindex("\n{") + 1:])
+    assert entry["engine"] == "ray" and entry["embedded"] == N_DOCS and entry["gate"]["ok"], entry
+    assert store.current("wiki") == "v2"
+    got = _vectors(store)
+    assert got.keys() == in_process.keys() and len(got) == N_DOCS
+    assert max(float(np.abs(got[k][0] - in_process[k][0]).max()) for k in got) <= 1e-5
+    assert all(np.array_equal(got[k][1][0], in_process[k][1][0]) and np.allclose(got[k][1][1], in_process[k][1][1])
+               for k in got)                     # the lexical terms, too
+
+
+def test_shards_cover_the_labels_in_order():
+    labels = np.array([3, 4, 9, 10, 11, 20, 21], dtype=np.int64)
+    assert shards(labels, 2, 3) == [(2, 9), (9, 20), (20, 21)]
+    assert shards(labels[:0], 5, 3) == []
+
+
+def test_ray_missing_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)          # as if the extra were not installed
+    with pytest.raises(MigrationError, match=r"pip install 'embedserve\[ray\]'"):
+        RayEngine(lambda: None, ())
 
 
 def test_swap_under_load_every_answer_from_one_model_version_pair(tmp_path, e5_model):

@@ -23,17 +23,22 @@ def register(subparsers) -> None:
     p.add_argument("--sample", type=int, default=1000, help="documents the gate checks as their own top hit")
     p.add_argument("--batch-docs", type=int, default=256, help="documents per embedded, checkpointed batch")
     p.add_argument("--dtype", default="auto", help="the new model's precision (auto | float32 | bfloat16 | int8)")
+    p.add_argument("--engine", choices=("in-process", "ray"), default="in-process",
+                   help="where the bulk re-embedding runs: this process, or a Ray cluster with Ray Data "
+                   "(pip install 'embedserve[ray]')")
+    p.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: start a local Ray here")
+    p.add_argument("--ray-actors", type=int, default=None,
+                   help="embedding actors, each loading the model once [default: cluster CPUs / --ray-cpus-per-actor]")
+    p.add_argument("--ray-cpus-per-actor", type=float, default=1.0, help="CPUs (and torch threads) per actor")
     p.add_argument("--index-dir", default=os.environ.get("EMBEDSERVE_INDEX_DIR"),
                    help="index root [env EMBEDSERVE_INDEX_DIR; default $EMBEDSERVE_HOME/indexes]")
     p.set_defaults(func=cmd_reindex)
 
 
 def _embedder(model: str, dtype: str):
-    from ..embedders import ModelEmbedder
-    from ..models.embedding_model import EmbeddingModel
-    from ..models.registry import resolve_model
-    name, path = resolve_model(model)
-    return ModelEmbedder(EmbeddingModel(path, name=name, dtype=dtype))
+    from ..embedders import load_embedder
+    return load_embedder(model, dtype)
 
 
 def cmd_reindex(args) -> int:
@@ -52,9 +57,14 @@ def cmd_reindex(args) -> int:
         store.current(args.name)                      # a clear error before any model loads
         embedder = _embedder(args.to_model, args.dtype)
         old_embedder = _old_embedder(store, args.name, args.dtype)
-        with _progress(store, args.name) as tick:
-            entry = reindex(store, args.name, embedder, batch_docs=args.batch_docs, sample=args.sample,
-                            dry_run=args.dry_run, old_embedder=old_embedder, on_batch=tick)
+        engine = _engine(args, embedder.model.precision)
+        try:
+            with _progress(store, args.name) as tick:
+                entry = reindex(store, args.name, embedder, batch_docs=args.batch_docs, sample=args.sample,
+                                dry_run=args.dry_run, old_embedder=old_embedder, on_batch=tick, engine=engine)
+        finally:
+            if engine is not None:
+                engine.close()
     except DescribedError as exc:
         print(f"embedserve reindex: error: {exc.message}", file=sys.stderr)
         report = getattr(exc, "report", None)
@@ -63,6 +73,17 @@ def cmd_reindex(args) -> int:
         return 1
     _print(entry)
     return 0
+
+
+def _engine(args, precision: str):
+    """The Ray engine for the bulk pass (None in process); its actors load the model by name in
+    the precision `--dtype` settled on here, so every worker computes what this process would."""
+    if args.engine != "ray":
+        return None
+    from migrations.ray_engine import RayEngine
+    from ..embedders import load_embedder
+    return RayEngine(load_embedder, (args.to_model, precision), address=args.ray_address,
+                     actors=args.ray_actors, cpus_per_actor=args.ray_cpus_per_actor)
 
 
 def _old_embedder(store, name: str, dtype: str):
