@@ -4,6 +4,7 @@ start-up with the reason and the flag to change."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -40,7 +41,11 @@ class ServerConfig:
     max_queued_tokens: int = field(default=262_144, metadata={"help": "tokens allowed to wait; more gets 429"})
     max_concurrent_requests: int = field(default=512, metadata={"help": "requests in flight; more gets 429"})
     max_body_bytes: int = field(default=2 * 1024 * 1024, metadata={"help": "largest request body; more gets 413"})
-    api_key: str | None = field(default=None, metadata={"help": "require `Authorization: Bearer KEY` (all routes but /health, /ready)"})
+    api_key: str | None = field(default=None, repr=False, metadata={"help": "require `Authorization: Bearer KEY` on all routes but /health, /ready; any of several keys (comma-separated) works"})
+    api_key_file: str | None = field(default=None, metadata={"help": "file of accepted keys, one a line (blank lines and # comments ignored), re-read within a second of a change"})
+    rate_limit: float | None = field(default=None, metadata={"help": "requests per second per API key (per client IP when no key is set); more gets 429 (default: no limit)"})
+    rate_burst: int | None = field(default=None, metadata={"help": "requests a key may send at once before --rate-limit applies (default: the rate, at least 1)"})
+    allowed_origins: str | None = field(default=None, metadata={"help": "browser origins CORS allows (* for any; default: no CORS headers at all)"})
     # generation (RAG answer step)
     generate_model: str = field(default=DEFAULT_GENERATE_MODEL, metadata={"help": "bundled decoder name, local HF Llama directory, or none"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
@@ -55,6 +60,8 @@ class ServerConfig:
     index_dir: str | None = field(default=None, metadata={"help": "root of the named indexes (default $EMBEDSERVE_HOME/indexes)"})
     threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning"})
+    shutdown_timeout: float = field(default=30.0, metadata={"help": "on SIGTERM: seconds requests in flight may take to finish (new ones get 503, /ready 503 at once)"})
+    stall_timeout: float = field(default=60.0, metadata={"help": "an engine busy on one batch or step longer than this turns /health to 503"})
 
     def __post_init__(self):
         if self.max_batch_tokens is None:
@@ -65,6 +72,8 @@ class ServerConfig:
             self.generate_model = "none"
         if self.memory_utilization is not None and not 0 < self.memory_utilization < 1:
             raise ConfigError(f"--memory-utilization {self.memory_utilization} must be a fraction in (0, 1)")
+        if self.shutdown_timeout < 0 or self.stall_timeout <= 0:
+            raise ConfigError("--shutdown-timeout must be >= 0 and --stall-timeout > 0 (seconds)")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
         self.dtype = normalize_dtype(self.dtype)
@@ -77,13 +86,33 @@ class ServerConfig:
                               f"{self.max_batch_tokens}: a full batch could never queue; raise it")
         if not self.models:
             raise ConfigError("--model names no model; pass a bundled name or a local directory")
-        if self.api_key == "":
+        if not self.api_keys:
             self.api_key = None
+        if self.rate_limit is not None and not self.rate_limit > 0:
+            raise ConfigError(f"--rate-limit {self.rate_limit} must be above 0 requests per second")
+        if self.rate_burst is not None:
+            if self.rate_limit is None:
+                raise ConfigError("--rate-burst needs --rate-limit (requests per second) to mean anything")
+            if self.rate_burst < 1:
+                raise ConfigError(f"--rate-burst {self.rate_burst} must be at least 1")
+        elif self.rate_limit is not None:
+            self.rate_burst = max(1, math.ceil(self.rate_limit))
 
     @property
     def models(self) -> list[str]:
         """The embedding models to serve, the default (first) one first."""
         return [m.strip() for m in self.model.split(",") if m.strip()]
+
+    @property
+    def api_keys(self) -> list[str]:
+        """The keys given by --api-key (repeated or comma-separated); --api-key-file adds its own."""
+        return [check_api_key(k.strip(), f"--api-key value {i + 1}")
+                for i, k in enumerate(k for k in (self.api_key or "").split(",") if k.strip())]
+
+    @property
+    def origins(self) -> list[str]:
+        """The origins CORS allows (empty: no CORS headers at all)."""
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
     def check_model_limits(self, model_max_input: int) -> int:
         """The effective max input length, or ConfigError if the batch budget cannot hold it."""
@@ -96,6 +125,14 @@ class ServerConfig:
                               f"{self.max_batch_tokens}: a longest input could never be batched; raise "
                               f"--max-batch-tokens to at least {limit} or lower --max-input-length")
         return limit
+
+
+def check_api_key(key: str, where: str) -> str:
+    """`key` if a bearer token can carry it; the error names `where` it came from, never the key."""
+    if any(c.isspace() or c == "," for c in key) or not (key.isascii() and key.isprintable()):
+        raise ConfigError(f"{where}: an API key is printable ASCII without whitespace or commas "
+                          "(what an HTTP header carries intact)")
+    return key
 
 
 def env_default(name: str, default):

@@ -52,6 +52,12 @@ class OverloadedError(_RetryLater):
         super().__init__(message, retry_after=retry_after, **kw)
 
 
+class RateLimitedError(OverloadedError):
+    """One caller (API key, or client IP without keys) sent more than `--rate-limit` allows."""
+
+    code = "rate_limited"
+
+
 class UnavailableError(_RetryLater):
     code = "unavailable"
 

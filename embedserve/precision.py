@@ -134,8 +134,12 @@ def cached_probe(fingerprint: str, device) -> ProbeResult | None:
 def store_probe(fingerprint: str, device, result: ProbeResult) -> None:
     from index.durable import atomic_write
     path = _cache_path(fingerprint, device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(asdict(result), indent=2).encode())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(asdict(result), indent=2).encode())
+    except OSError as exc:             # a read-only home (a container image): probe again next start
+        logging.getLogger(__name__).warning("cannot cache the precision probe in %s (%s); it runs again at "
+                                            "the next start", path.parent, exc)
 
 
 def auto_candidates(device) -> list[str]:

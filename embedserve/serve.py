@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+import uvicorn
 from fastapi import FastAPI
 
 from kernels import check_kv_cache_dtype
@@ -32,11 +34,14 @@ logger = logging.getLogger(__name__)
 def build_embed_engine(cfg: ServerConfig, model: EmbeddingModel, metrics=None) -> EmbedEngine:
     """Check the model against the limits, warm it up, and start its engine thread."""
     max_input_length = cfg.check_model_limits(model.max_input_length)
-    model.embed(model.tokenize(["warm-up", "预热 " * 64]), model.spec.embedding_types)
+    # a short and a long (cut to the limit, as requests are) input: every model, even a tiny one
+    warm = [model.truncate(ids, max_input_length) for ids in model.tokenize(["warm-up", "预热 " * 64])]
+    model.embed(warm, model.spec.embedding_types)
     engine = EmbedEngine(model, EmbedEngineConfig(
         max_batch_tokens=cfg.max_batch_tokens, max_batch_size=cfg.max_batch_size,
         max_queued_tokens=cfg.max_queued_tokens, max_concurrent_requests=cfg.max_concurrent_requests,
         max_input_length=max_input_length), metrics)
+    engine.stall_after = cfg.stall_timeout
     engine.start()
     return engine
 
@@ -53,6 +58,7 @@ def attach_embedders(state: AppState, models: EmbeddingModel | list[EmbeddingMod
 
 
 def attach_generator(state: AppState, gen: Generator) -> None:
+    gen.engine.stall_after = state.config.stall_timeout
     gen.start(state.metrics)
     state.generator = gen
 
@@ -112,3 +118,30 @@ def load_generator(cfg: ServerConfig, name: str, path: Path, plan: KVCachePlan) 
     logger.info("generation model %s loaded (%s, %d KV blocks of %d tokens)", name, plan.dtype,
                 plan.num_blocks, cfg.block_size)
     return Generator(name=name, engine=engine, tokenizer=tokenizer)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, stopping gracefully: the first SIGTERM (or Ctrl-C) turns the app to draining —
+    `/ready` 503 at once, new requests 503 — lets the requests in flight finish for up to
+    `timeout` seconds, then exits (engines stopped, indexes snapshotted) with status 0. A second
+    signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState, timeout: float):
+        super().__init__(config)
+        self.state, self.timeout = state, timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.state.draining:                        # a second signal: stop now
+            return super().handle_exit(sig, frame)
+        self.state.draining = True
+        logger.info("signal %d: draining %d requests in flight (up to %g s; new requests get 503)",
+                    sig, self.state.inflight, self.timeout)
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.state.inflight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.state.inflight > 0:
+            logger.warning("--shutdown-timeout reached: %d requests still in flight are cut off", self.state.inflight)
+        self.should_exit = True

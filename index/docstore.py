@@ -344,3 +344,13 @@ def read_documents(path: Path, after: int, upto: int) -> list[tuple[int, Documen
     finally:
         conn.close()
     return [(r[0], Document(r[1], r[2], json.loads(r[3]))) for r in rows]
+
+
+def read_counts(path: Path) -> dict[str, int]:
+    """A doc store's live counts over a read-only connection (an index not open in this process)."""
+    conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, timeout=30.0)
+    try:
+        n, d, s = conn.execute("SELECT COUNT(*), COUNT(dense), COUNT(sparse_ids) FROM docs").fetchone()
+    finally:
+        conn.close()
+    return {"documents": n, "dense": d, "sparse": s}

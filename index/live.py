@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 from .core import Index
+from .docstore import DB_NAME, read_counts
 from .manifest import ModelIdentity
 from .store import IndexStore
 
@@ -57,9 +58,17 @@ class LiveIndexes:
         for name in self.store.names():
             m = self.store.manifest(name)
             out.append({"name": name, "version": m.version, "model": m.model, "dimension": m.dimension,
-                        "dense_index": m.dense_index["kind"], "sparse": m.sparse, "counts": m.counts,
+                        "dense_index": m.dense_index["kind"], "sparse": m.sparse, "counts": self._counts(name, m),
                         "compatible": why_not(m) is None})
         return out
+
+    def _counts(self, name: str, m) -> dict:
+        """Live counts: the open index's, else its doc store's (the manifest's are the last snapshot's)."""
+        with self._lock:
+            ix = self._open.get(name)
+        if ix is not None and ix.version == m.version:
+            return ix.counts()
+        return read_counts(self.store.version_dir(name, m.version) / DB_NAME)
 
     def delete(self, name: str) -> None:
         """Close (no snapshot: it is going away) and delete `name`."""

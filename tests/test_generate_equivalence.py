@@ -78,13 +78,15 @@ def _greedy():
     return SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 
 
-@pytest.mark.parametrize("mode", ["batched", "batched-no-prefix-cache", "chunked-32", "alone"])
+@pytest.mark.parametrize("mode", ["batched", "batched-no-prefix-cache", "chunked-32", "alone", "preempted"])
 def test_greedy_equals_hf_generate(mode, smollm2, prompt_ids, reference):
     kw = {}
     if mode == "batched-no-prefix-cache":
         kw["enable_prefix_caching"] = False
     if mode == "chunked-32":
         kw["max_num_batched_tokens"] = 32
+    if mode == "preempted":       # KV blocks for the longest sequence and two more: the real engine must preempt
+        kw["num_blocks"] = -(-(max(map(len, prompt_ids)) + NEW_TOKENS) // 16) + 2
     eng = make_decode_engine(smollm2, **kw)
     if mode == "alone":
         seqs = [eng.generate([ids], _greedy())[0] for ids in prompt_ids]
@@ -98,6 +100,8 @@ def test_greedy_equals_hf_generate(mode, smollm2, prompt_ids, reference):
         assert eng.bm.prefix_hits > 0, "the shared system prompt should hit the prefix cache"
     if mode == "batched-no-prefix-cache":
         assert eng.bm.prefix_hits == 0
+    if mode == "preempted":
+        assert eng.scheduler.num_preemptions > 0 and all(s.finish_reason in ("stop", "length") for s in seqs)
 
 
 def test_prefix_cache_hit_reuses_blocks_and_is_exact(smollm2, prompt_ids, reference):

@@ -15,13 +15,15 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from .. import __version__
 from index.errors import DescribedError
 
 from ..errors import MethodNotAllowedError, NotFoundError, ValidationError
-from . import embeddings, generation, indexes, system
+from . import embeddings, generation, indexes, openapi, system
 from .errors import error_response, status_for, validation_error
+from .drain import DrainMiddleware
 from .middleware import GuardMiddleware
 from .state import AppState
 
@@ -41,14 +43,31 @@ def create_app(state: AppState, start: Callable[[AppState], None] | None = None)
             engine.stop()
         if state.generator is not None:
             state.generator.stop()
+        state.indexes.close_all()           # a last snapshot: the next start has nothing to replay
 
     app = FastAPI(title="embedserve", version=__version__, lifespan=lifespan)
     app.state.embedserve = state
     app.add_middleware(GuardMiddleware, state=state)
+    if state.config.origins:        # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=state.config.origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
+    app.add_middleware(DrainMiddleware, state=state)       # added last: outermost
     _add_error_handlers(app, state)
     for module in (system, embeddings, generation, indexes):
         app.include_router(module.build_router(state))
+    _describe_bodies(app)
     return app
+
+
+def _describe_bodies(app: FastAPI) -> None:
+    """/openapi.json with the request bodies the routes read themselves (api.openapi)."""
+    build = app.openapi
+
+    def document() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi.complete(build())
+        return app.openapi_schema
+    app.openapi = document
 
 
 def _add_error_handlers(app: FastAPI, state: AppState) -> None:
@@ -61,7 +80,7 @@ def _add_error_handlers(app: FastAPI, state: AppState) -> None:
     @app.exception_handler(DescribedError)
     async def _typed(request: Request, exc: Exception):
         if status_for(exc)[0] >= 500:
-            logger.error("%s on %s: %s", type(exc).__name__, request.url.path, exc)
+            logger.error("%s on %s: %s", type(exc).__name__, _route(request), exc)
         return reply(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -79,5 +98,12 @@ def _add_error_handlers(app: FastAPI, state: AppState) -> None:
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
+        logger.exception("unhandled error on %s", _route(request))
         return reply(exc)
+
+
+def _route(request: Request) -> str:
+    """The route's template (`/v1/indexes/{name}`) for logs: a path can carry names a user chose,
+    and no request text is logged by default."""
+    route = request.scope.get("route")
+    return f"{request.method} {getattr(route, 'path', 'unmatched route')}"

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.batch_queue import EmbedRequest
 from ..errors import UnsupportedError, ValidationError
+from .openapi import route_doc
 from .common import embed_via_engine, parse_body
 from .state import AppState
 
@@ -26,9 +27,15 @@ from .state import AppState
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings (OpenAI's fields plus embedserve's extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    input: Any = Field(..., description="a string, a list of strings, a list of token ids, or a list of such lists")
+    input: Any = Field(..., description="a string, a list of strings, a list of token ids, or a list of such lists",
+                       json_schema_extra={"anyOf": [
+                           {"type": "string", "minLength": 1},
+                           {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                           {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                           {"type": "array", "minItems": 1,
+                            "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}]})
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
@@ -87,7 +94,7 @@ def build_router(state: AppState) -> APIRouter:
     """The embeddings route, bound to the app's state."""
     router = APIRouter()
 
-    @router.post("/v1/embeddings")
+    @router.post("/v1/embeddings", **route_doc(EmbeddingRequest, 404))
     async def embeddings(request: Request):
         body = await parse_body(request, EmbeddingRequest)
         engine = state.require_embedder(body.model)

@@ -51,6 +51,13 @@ def validation_error(exc: RequestValidationError) -> errors.ValidationError:
     errs = exc.errors()
     if not errs:
         return errors.ValidationError("invalid request")
+    extra = [".".join(str(p) for p in e["loc"] if p != "body") for e in errs if e.get("type") == "extra_forbidden"]
+    if extra:
+        names = ", ".join(f"`{n}`" for n in extra)
+        verb = "is not a field" if len(extra) == 1 else "are not fields"
+        return errors.ValidationError(f"{names} {verb} of this request (this server refuses what it does not "
+                                      f"know rather than ignore it); remove {'it' if len(extra) == 1 else 'them'}",
+                                      param=extra[0])
     e = errs[0]
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None

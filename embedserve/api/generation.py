@@ -16,14 +16,27 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.decode_engine import GenerationEvent
 from ..engine.generator import Generator
-from ..engine.sequence import SamplingParams
+from ..engine.sequence import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from ..errors import NotFoundError, UnavailableError, UnsupportedError, ValidationError
+from .openapi import route_doc
 from .common import parse_body, wait_disconnect
 from .state import AppState
 
 
+# OpenAI (and vLLM) fields that would change the output and that this server does not
+# implement, each with the values that change nothing: any other value is refused by name.
+# Fields that are no field at all are refused too (extra="forbid"): nothing is silently dropped.
+_NOT_IMPLEMENTED: dict[str, tuple] = {
+    "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
+    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
+    "repetition_penalty": (1,),
+}
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -36,16 +49,25 @@ class _Common(BaseModel):
     stream_options: dict | None = None
     n: StrictInt = 1
     ignore_eos: StrictBool = False
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: Any = None
+    # accepted, and change nothing in the output
     user: str | None = Field(default=None, max_length=256)
-    logprobs: Any = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[StrictInt]
-    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     role: Literal["system", "user", "assistant"]
     content: str | list[dict]
 
@@ -53,17 +75,62 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    # accepted, and change nothing in the output (tools, which parallel_tool_calls is about, are refused)
+    metadata: dict | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: StrictBool | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    safety_identifier: str | None = None
+
+
+def _refuse_not_implemented(body: _Common) -> None:
+    """A field we do not implement is refused by name unless its value changes nothing."""
+    for name, harmless in _NOT_IMPLEMENTED.items():
+        value = getattr(body, name, None)
+        if value is not None and value not in harmless:
+            instead = f" or set it to {json.dumps(harmless[0])}" if harmless else ""
+            raise UnsupportedError(f"`{name}` is not supported by this server; remove it{instead}", param=name)
+
+
+def _num_logprobs(body: _Common) -> int | None:
+    """Top logprobs per token, or None for no logprobs (completions: `logprobs: k`; chat:
+    `logprobs: true` with an optional `top_logprobs: k`)."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ValidationError("`top_logprobs` needs `logprobs: true`; set it or remove top_logprobs",
+                              param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def _params(body: _Common, default_max: int) -> SamplingParams:
+    _refuse_not_implemented(body)
     if body.n != 1:
         raise UnsupportedError("n > 1 is not supported; send separate requests", param="n")
-    if body.logprobs not in (None, False, 0):
-        raise UnsupportedError("logprobs are not supported", param="logprobs")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or default_max
     return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                          max_tokens=max_tokens, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos)
+                          max_tokens=max_tokens, stop=stop, seed=body.seed, ignore_eos=body.ignore_eos,
+                          presence_penalty=body.presence_penalty or 0.0,
+                          frequency_penalty=body.frequency_penalty or 0.0,
+                          logit_bias=body.logit_bias, logprobs=_num_logprobs(body))
 
 
 def _message_text(content: str | list[dict], i: int) -> str:
@@ -93,31 +160,59 @@ class _Reply:
     stream_opts: dict
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    text_offset: int = 0            # completions' logprobs: characters of the tokens reported so far
 
     def __post_init__(self):
         self.rid = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
-    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict:
-        """One SSE chunk in OpenAI's format."""
+    def chunk(self, text: str | None, finish: str | None, first: bool = False,
+              logprobs: list[TokenLogprob] | None = None) -> dict:
+        """One SSE chunk in OpenAI's format, with the logprobs of the tokens sampled since the last."""
+        lp = self.logprobs(logprobs)
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
             return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.gen.name, "choices": [choice]}
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.gen.name,
-                "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}]}
 
-    def whole(self, text: str, ev: GenerationEvent) -> dict:
+    def whole(self, text: str, ev: GenerationEvent, logprobs: list[TokenLogprob] | None = None) -> dict:
         """The non-streaming response."""
+        lp = self.logprobs(logprobs)
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": ev.finish_reason, "logprobs": None}
+                      "finish_reason": ev.finish_reason, "logprobs": lp}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": ev.finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": ev.finish_reason, "logprobs": lp}
             obj = "text_completion"
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.gen.name,
                 "choices": [choice], "usage": _usage(ev)}
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's logprobs object for these tokens, each token's text decoded on its own (as
+        vLLM does; `bytes` are that text's UTF-8). Completions: {tokens, token_logprobs,
+        top_logprobs (the top k and the chosen token), text_offset (into the completion)};
+        chat: {"content": [{token, logprob, bytes, top_logprobs: the top k}]}."""
+        if not entries:
+            return None
+        ids = list({t: None for e in entries for t in (e.token_id, *(i for i, _ in e.top))})
+        text = dict(zip(ids, self.gen.token_texts(ids)))
+        if self.kind == "chat":
+            def item(t: int, lp: float) -> dict:
+                return {"token": text[t], "logprob": lp, "bytes": list(text[t].encode())}
+            return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
+                                for e in entries]}
+        offsets, tops = [], []
+        for e in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(text[e.token_id])
+            top = {text[t]: v for t, v in e.top}
+            top.setdefault(text[e.token_id], e.logprob)     # OpenAI's "up to logprobs + 1" entries
+            tops.append(top)
+        return {"tokens": [text[e.token_id] for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
 
 
 def _sse(reply: _Reply, queue: asyncio.Queue, seq_id: int):
@@ -130,7 +225,7 @@ def _sse(reply: _Reply, queue: asyncio.Queue, seq_id: int):
             while True:
                 ev = await queue.get()
                 if ev.text or ev.finish_reason:
-                    yield f"data: {json.dumps(reply.chunk(ev.text, ev.finish_reason))}\n\n"
+                    yield f"data: {json.dumps(reply.chunk(ev.text, ev.finish_reason, logprobs=ev.logprobs))}\n\n"
                 if ev.finish_reason:
                     finished = True
                     if reply.stream_opts.get("include_usage"):
@@ -152,6 +247,7 @@ async def _collect(request: Request, reply: _Reply, queue: asyncio.Queue, seq_id
     """Wait for the whole answer; a client that leaves first aborts the sequence (499)."""
     gone = asyncio.ensure_future(wait_disconnect(request))
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     try:
         while True:
             get = asyncio.ensure_future(queue.get())
@@ -162,6 +258,7 @@ async def _collect(request: Request, reply: _Reply, queue: asyncio.Queue, seq_id
                 return JSONResponse({}, status_code=499)
             ev = get.result()
             parts.append(ev.text)
+            logprobs += ev.logprobs or ()
             if ev.finish_reason:
                 break
     except asyncio.CancelledError:
@@ -171,7 +268,7 @@ async def _collect(request: Request, reply: _Reply, queue: asyncio.Queue, seq_id
         gone.cancel()
     if ev.finish_reason == "error":
         raise UnavailableError("generation failed on the server; retry", retry_after=1)
-    return JSONResponse(reply.whole("".join(parts), ev))
+    return JSONResponse(reply.whole("".join(parts), ev, logprobs))
 
 
 async def _run(request: Request, gen: Generator, body: _Common, prompt_ids: list[int],
@@ -184,6 +281,10 @@ async def _run(request: Request, gen: Generator, body: _Common, prompt_ids: list
     if body.stream:
         return _sse(reply, queue, seq_id)
     return await _collect(request, reply, queue, seq_id)
+
+
+# a JSON answer, or server-sent events with `stream: true`
+_JSON_OR_SSE = {"application/json": {}, "text/event-stream": {}}
 
 
 def build_router(state: AppState) -> APIRouter:
@@ -201,12 +302,10 @@ def build_router(state: AppState) -> APIRouter:
                                 f"generates with {gen.name!r} (GET /v1/models)", param="model")
         return gen
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", **route_doc(CompletionRequest, 404, ok=_JSON_OR_SSE))
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest)
         gen = generator_for(body)
-        if body.echo:
-            raise UnsupportedError("echo is not supported", param="echo")
         if isinstance(body.prompt, str):
             if not body.prompt:
                 raise ValidationError("`prompt` is empty", param="prompt")
@@ -221,7 +320,7 @@ def build_router(state: AppState) -> APIRouter:
             ids = list(body.prompt)
         return await _run(request, gen, body, ids, _params(body, 16), "completion")
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", **route_doc(ChatRequest, 404, ok=_JSON_OR_SSE))
     async def chat(request: Request):
         body = await parse_body(request, ChatRequest)
         gen = generator_for(body)

@@ -10,7 +10,6 @@ switches model and version together; an index no served model built is refused w
 from __future__ import annotations
 
 import logging
-from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -29,6 +28,7 @@ from index.store import check_name
 from ..embedders import ModelEmbedder, token_batches
 from ..errors import ValidationError
 from index.errors import ConflictError
+from .openapi import route_doc
 from .common import embed_via_engine, parse_body
 from .state import AppState
 
@@ -40,7 +40,7 @@ _BOUND = " and its indexes are bound to it"      # said when a request names a m
 class CreateIndexRequest(BaseModel):
     """POST /v1/indexes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: Any
     model: str | None = None
@@ -51,7 +51,7 @@ class CreateIndexRequest(BaseModel):
 
 
 class DocumentIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     id: str = Field(..., min_length=1, max_length=512)
     text: str
@@ -61,7 +61,7 @@ class DocumentIn(BaseModel):
 class UpsertRequest(BaseModel):
     """POST /v1/indexes/{name}/documents."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     documents: list[DocumentIn] = Field(..., min_length=1)
 
@@ -69,13 +69,13 @@ class UpsertRequest(BaseModel):
 class DeleteDocumentsRequest(BaseModel):
     """DELETE /v1/indexes/{name}/documents."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     ids: list[str] = Field(..., min_length=1)
 
 
 class Weights(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     dense: StrictFloat | StrictInt = 0.4
     sparse: StrictFloat | StrictInt = 0.2
@@ -84,7 +84,7 @@ class Weights(BaseModel):
 class SearchRequest(BaseModel):
     """POST /v1/search."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     index: Any
     query: str = Field(..., min_length=1)
@@ -145,15 +145,9 @@ def build_router(state: AppState) -> APIRouter:
     """The index routes, bound to the app's state (engine, config, open indexes)."""
     indexes = state.indexes
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        # Snapshot on the way out, so the next start replays little (nothing is lost without it).
-        await run_in_threadpool(indexes.close_all)
+    router = APIRouter()
 
-    router = APIRouter(lifespan=lifespan)
-
-    @router.post("/v1/indexes", status_code=201)
+    @router.post("/v1/indexes", status_code=201, **route_doc(CreateIndexRequest, 404, 409))
     async def create_index(request: Request):
         body = await parse_body(request, CreateIndexRequest)
         name = check_name(body.name)
@@ -163,12 +157,12 @@ def build_router(state: AppState) -> APIRouter:
         info = await run_in_threadpool(indexes.create, name, ident, dense)
         return JSONResponse(_index_object(info), status_code=201)
 
-    @router.get("/v1/indexes")
+    @router.get("/v1/indexes", **route_doc())
     async def list_indexes():
         rows = await run_in_threadpool(indexes.summaries, lambda m: _why_not(state, m))
         return {"object": "list", "data": [{"object": "index", **row} for row in rows]}
 
-    @router.get("/v1/indexes/{name}")
+    @router.get("/v1/indexes/{name}", **route_doc(None, 400, 404))
     async def get_index(name: str):
         check_name(name)
         ix = await run_in_threadpool(indexes.get, name, None)
@@ -177,7 +171,7 @@ def build_router(state: AppState) -> APIRouter:
         info["compatible"], info["mismatch"] = why is None, why
         return info
 
-    @router.post("/v1/indexes/{name}/reload")
+    @router.post("/v1/indexes/{name}/reload", **route_doc(None, 400, 404, 409))
     async def reload_index(name: str):
         """Pick up a moved `CURRENT` now (every request also checks it): the live version and the
         served model that will answer for it."""
@@ -186,7 +180,7 @@ def build_router(state: AppState) -> APIRouter:
         model = state.name_of(state.engine_for_index(ix.manifest)) if why is None else None
         return {"object": "index.reload", "name": name, "version": ix.version, "model": model, "mismatch": why}
 
-    @router.delete("/v1/indexes/{name}")
+    @router.delete("/v1/indexes/{name}", **route_doc(None, 400, 404))
     async def delete_index(name: str):
         await run_in_threadpool(indexes.delete, check_name(name))
         return {"object": "index.deleted", "name": name, "deleted": True}
@@ -199,7 +193,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
     """Upsert and delete documents, and search: the routes that embed through the engine."""
     indexes = state.indexes
 
-    @router.post("/v1/indexes/{name}/documents")
+    @router.post("/v1/indexes/{name}/documents", **route_doc(UpsertRequest, 404, 409))
     async def upsert_documents(name: str, request: Request):
         check_name(name)
         body = await parse_body(request, UpsertRequest)
@@ -221,7 +215,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         result = await run_in_threadpool(ops.commit_upsert, ix, docs, todo, vectors, ident)
         return {"object": "index.upsert", **result.to_dict()}
 
-    @router.delete("/v1/indexes/{name}/documents")
+    @router.delete("/v1/indexes/{name}/documents", **route_doc(DeleteDocumentsRequest, 404, 409))
     async def delete_documents(name: str, request: Request):
         check_name(name)
         body = await parse_body(request, DeleteDocumentsRequest)
@@ -232,7 +226,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         return {"object": "index.delete", "index": name, "version": ix.version,
                 "deleted": len(change.outcomes) - len(missing), "missing": missing, "sequence": change.seq}
 
-    @router.post("/v1/search")
+    @router.post("/v1/search", **route_doc(SearchRequest, 404, 409))
     async def search(request: Request):
         body = await parse_body(request, SearchRequest)
         name = check_name(body.index)

@@ -1,23 +1,29 @@
-"""Pure ASGI middleware: bearer-token auth, a hard body-size cap (413), per-route metrics."""
+"""Pure ASGI middleware: bearer-token auth, a per-caller rate limit (429), a hard body-size cap
+(413), per-route metrics."""
 
 from __future__ import annotations
 
-import hmac
 import time
 
-from ..errors import AuthenticationError, EmbedServeError, PayloadTooLargeError
+from ..errors import AuthenticationError, EmbedServeError, PayloadTooLargeError, RateLimitedError
 from .errors import error_response, status_for
+from .ratelimit import RateLimiter
 from .state import AppState
 
+# Never asked for a key nor rate limited (probes). Everything else is, /docs, /redoc and
+# /openapi.json included: the API's shape is not shown to callers without a key.
 _OPEN_PATHS = ("/health", "/ready")
 
 
 class GuardMiddleware:
-    """Pure ASGI: bearer-token auth, a hard body-size cap (413), per-route metrics."""
+    """Pure ASGI: bearer-token auth, a per-caller rate limit (429), a hard body-size cap (413),
+    per-route metrics."""
 
     def __init__(self, app, state: AppState):
         self.app = app
         self.state = state
+        cfg = state.config
+        self.limiter = RateLimiter(cfg.rate_limit, cfg.rate_burst) if cfg.rate_limit else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -36,14 +42,19 @@ class GuardMiddleware:
             await error_response(exc)(scope, receive, send_wrapper)
 
         try:
-            key = state.config.api_key
-            if key and path not in _OPEN_PATHS:
-                headers = dict(scope["headers"])
-                auth = headers.get(b"authorization", b"").decode("latin-1")
-                token = auth[7:] if auth[:7].lower() == "bearer " else ""
-                if not hmac.compare_digest(token.encode(), key.encode()):
-                    return await reply(AuthenticationError(
-                        "missing or wrong API key; send `Authorization: Bearer <key>`"))
+            if path not in _OPEN_PATHS:
+                caller = (scope.get("client") or ("unknown",))[0]
+                if state.keys.enabled:
+                    auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                    caller = state.keys.match(auth[7:].strip() if auth[:7].lower() == "bearer " else "")
+                    if caller is None:
+                        return await reply(AuthenticationError(
+                            "missing or wrong API key; send `Authorization: Bearer <key>`"))
+                if self.limiter is not None and (wait := self.limiter.check(caller)):
+                    who = "API key" if state.keys.enabled else "client address"
+                    return await reply(RateLimitedError(
+                        f"this {who} sent more than --rate-limit {state.config.rate_limit:g} requests per "
+                        f"second (burst {state.config.rate_burst}); retry in {wait} s", retry_after=wait))
             limit = state.config.max_body_bytes
             length = dict(scope["headers"]).get(b"content-length")
             if length is not None and length.isdigit() and int(length) > limit:

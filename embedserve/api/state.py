@@ -15,6 +15,7 @@ from ..engine.generator import Generator
 from ..errors import NotFoundError, UnavailableError
 from ..metrics import Metrics
 from ..paths import index_root
+from .auth import KeyRing
 
 
 @dataclass
@@ -27,10 +28,15 @@ class AppState:
     generator: Generator | None = None
     ready: bool = False
     load_error: str | None = None
+    draining: bool = False              # SIGTERM seen: /ready 503, new requests 503, in-flight ones finish
+    inflight: int = 0                   # requests being answered (the middleware counts them)
+    health_logged: str | None = None    # the last unhealthy cause logged
     created: int = field(default_factory=lambda: int(time.time()))
     indexes: LiveIndexes = field(init=False)
+    keys: KeyRing = field(init=False, repr=False)       # the accepted API keys (ConfigError at start)
 
     def __post_init__(self):
+        self.keys = KeyRing(self.config)
         self.indexes = LiveIndexes(index_root(self.config.index_dir))
 
     @property

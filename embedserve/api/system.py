@@ -2,40 +2,55 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..errors import UnavailableError
 from .errors import error_response
+from .openapi import ErrorEnvelope, route_doc
 from .state import AppState
+
+logger = logging.getLogger(__name__)
 
 
 def build_router(state: AppState) -> APIRouter:
     """The operational routes, bound to the app's state."""
     router = APIRouter()
 
-    @router.get("/health")
+    @router.get("/health", responses={503: {"model": ErrorEnvelope, "description": "An engine died or stalled"}})
     async def health():
-        if any(not e.health() for e in state.embedders.values()):
-            return error_response(UnavailableError("an embedding engine thread has stopped"))
-        if state.generator is not None and not state.generator.health():
-            return error_response(UnavailableError("the generation engine thread has stopped"))
+        """Liveness: every engine thread alive and not stuck on one model call."""
+        engines = [(n, e) for n, e in state.embedders.items()]
+        if state.generator is not None:
+            engines.append((state.generator.name, state.generator))
+        problems = [f"{name}: {p}" for name, e in engines if (p := e.health_problem())]
+        if problems:
+            message = "; ".join(problems)
+            if message != state.health_logged:          # log each new cause once, not per probe
+                logger.error("unhealthy: %s", message)
+                state.health_logged = message
+            return error_response(UnavailableError(message))
+        state.health_logged = None
         return {"status": "ok"}
 
-    @router.get("/ready")
+    @router.get("/ready", responses={503: {"model": ErrorEnvelope, "description": "Loading, draining or failed"}})
     async def ready():
+        if state.draining:
+            return error_response(UnavailableError("the server is shutting down (draining)", retry_after=5))
         if state.ready:
             return {"status": "ready", "model": state.served_name}
         if state.load_error:
             return error_response(UnavailableError(f"model failed to load: {state.load_error}"))
         return error_response(UnavailableError("model is loading", retry_after=5))
 
-    @router.get("/metrics")
+    @router.get("/metrics", **route_doc(ok={"text/plain": {}}))
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", **route_doc())
     async def models():
         data = []
         for name, eng in (state.embedders.items() if state.ready else ()):

@@ -11,6 +11,9 @@ from ..config import ServerConfig, config_fields, env_default
 
 logger = logging.getLogger("embedserve")
 
+# Flags that may be given more than once (several models, keys, origins), joined with commas.
+_REPEATABLE = ("model", "api_key", "allowed_origins")
+
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     for f in config_fields():
@@ -21,21 +24,23 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                            help=f"{f.metadata.get('help', '')} [env EMBEDSERVE_{f.name.upper()}]")
             continue
-        if f.name == "model":           # given more than once: several embedding models, one engine each
+        if f.name in _REPEATABLE:
+            shown = "" if f.name == "api_key" else f"; default {default!r}"     # --help never shows a key
             p.add_argument(flag, action="append", default=None,
-                           help=f"{f.metadata.get('help', '')}; repeat to serve several "
-                                f"[env EMBEDSERVE_MODEL, comma-separated; default {default!r}]")
-            p.set_defaults(model_default=default)
+                           help=f"{f.metadata.get('help', '')}; repeat for several "
+                                f"[env EMBEDSERVE_{f.name.upper()}, comma-separated{shown}]")
+            p.set_defaults(**{f.name + "_default": default})
             continue
         typ = {"int": int, "int | None": int, "float | None": float, "float": float}.get(f.type, str)
         p.add_argument(flag, type=typ, default=default,
-                       help=f"{f.metadata.get('help', '')} [env EMBEDSERVE_{f.name.upper()}; default {default!r}]"
-                       if f.name != "api_key" else f"{f.metadata.get('help', '')} [env EMBEDSERVE_API_KEY]")
+                       help=f"{f.metadata.get('help', '')} [env EMBEDSERVE_{f.name.upper()}; default {default!r}]")
 
 
 def config_from_args(args) -> ServerConfig:
     values = {f.name: getattr(args, f.name) for f in config_fields()}
-    values["model"] = ",".join(args.model) if args.model else args.model_default
+    for name in _REPEATABLE:
+        given = getattr(args, name)
+        values[name] = ",".join(given) if given else getattr(args, name + "_default")
     return ServerConfig(**values)
 
 
@@ -60,7 +65,7 @@ def cmd_serve(args) -> int:
     from ..memory_plan import embed_memory_plan
     from ..models.embedding_model import EmbeddingModel
     from ..models.registry import resolve_model
-    from ..serve import build_app, load_generator, plan_generator
+    from ..serve import DrainingServer, build_app, load_generator, plan_generator
 
     cfg = config_from_args(args)
     _setup_logging(cfg.log_level)
@@ -80,7 +85,7 @@ def cmd_serve(args) -> int:
         gen_loader = lambda: load_generator(cfg, gname, gpath, gplan)  # noqa: E731
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("binding to %s: the service is reachable from other machines%s", cfg.host,
-                       "" if cfg.api_key else " and no --api-key is set")
+                       "" if cfg.api_key or cfg.api_key_file else " and no --api-key is set")
 
     server_box = {}
 
@@ -92,8 +97,10 @@ def cmd_serve(args) -> int:
     app = build_app(cfg, loader=lambda: [EmbeddingModel(path, name=name, dtype=cfg.dtype, device=cfg.device)
                                          for name, path in resolved],
                     on_load_error=on_load_error, gen_loader=gen_loader)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                           access_log=False, timeout_graceful_shutdown=10))
+    # drained first (DrainingServer), so uvicorn's own grace period only closes idle connections
+    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                           access_log=False, timeout_graceful_shutdown=5),
+                            state=app.state.embedserve, timeout=cfg.shutdown_timeout)
     server_box["server"] = server
     server.run()
     return 1 if server_box.get("failed") else 0

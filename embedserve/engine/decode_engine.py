@@ -23,7 +23,7 @@ from .embed_engine import COMPUTE_LOCK
 from .model_runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import SamplingParams, Sequence
+from .sequence import SamplingParams, Sequence, TokenLogprob
 from .engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class DecodeEngineConfig:
 
 @dataclass(slots=True)
 class GenerationEvent:
-    """New text for one request; `finish_reason` set on its last event."""
+    """New text for one request; `finish_reason` set on its last event. `logprobs` (when asked
+    for) covers every token sampled since the previous event, whether or not its text is out."""
 
     text: str
     token_ids: list[int]
@@ -62,6 +63,7 @@ class GenerationEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 class _Detok:
@@ -132,14 +134,23 @@ class DecodeEngine(EngineThread):
             raise ValidationError(f"{total} tokens need {self.bm.blocks_needed(total)} KV blocks; the cache "
                                   f"has {cfg.num_blocks}; lower max_tokens", param="max_tokens")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuse logit_bias ids outside the vocabulary (they would fail the whole batch's step)."""
+        vocab = self.vocab_size
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValidationError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab}); "
+                                  "use this model's token ids", param="logit_bias")
+
     def add(self, prompt_ids: list[int], params: SamplingParams,
             callback: Callable[[GenerationEvent], None]) -> int:
         """Queue a request; returns its id (for `abort`). Events arrive on the engine thread."""
         if not prompt_ids:
             raise ValidationError("the prompt is empty", param="prompt")
         self.check_request(len(prompt_ids), params.max_tokens)
-        if not self.health():
-            raise UnavailableError("the generation engine is not running")
+        self.check_params(params)
+        if not self.alive():
+            raise UnavailableError("the generation engine is not running" + (f" ({self.death})" if self.death else ""))
         seq = Sequence(next(self._ids), list(prompt_ids), params)
         with self._cv:
             limit = 4 * self.config.max_num_seqs
@@ -165,6 +176,7 @@ class DecodeEngine(EngineThread):
         seqs = []
         for ids, p in zip(prompts, plist):
             self.check_request(len(ids), p.max_tokens)
+            self.check_params(p)
             seq = Sequence(next(self._ids), list(ids), p)
             self._detok[seq.seq_id] = _Detok(self.tokenizer, p.stop)
             self.scheduler.add(seq)
@@ -219,17 +231,19 @@ class DecodeEngine(EngineThread):
             m.gen_preemptions.inc(len(sched.preempted))
         if not sched.scheduled:
             return
-        with COMPUTE_LOCK:
+        with COMPUTE_LOCK, self.busy():
             seqs, logits = self.runner.run(sched)
-            tokens = sample(logits, seqs) if seqs else []
+            tokens, logprobs = sample(logits, seqs) if seqs else ([], [])
         now = time.monotonic()
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.bm.mark_computed(seq)
             if seq.num_computed_tokens == seq.num_prompt_tokens and seq.first_token_time is None:
                 m.gen_prompt_tokens.inc(seq.num_prompt_tokens)
-        for seq, tok in zip(seqs, tokens):
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
             seq.token_ids.append(tok)
+            if lp is not None:
+                seq.pending_logprobs.append(lp)
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 m.gen_ttft.observe(now - seq.arrival)
@@ -250,7 +264,7 @@ class DecodeEngine(EngineThread):
             if reason:
                 self._finish(seq, reason, text=text)
             elif text:
-                self._emit(seq, GenerationEvent(text, [tok]))
+                self._emit(seq, GenerationEvent(text, [tok], logprobs=self._take_logprobs(seq)))
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -266,6 +280,19 @@ class DecodeEngine(EngineThread):
         if cb is not None:
             cb(ev)
 
+    @staticmethod
+    def _take_logprobs(seq: Sequence) -> list[TokenLogprob] | None:
+        if seq.params.logprobs is None:
+            return None
+        out, seq.pending_logprobs = seq.pending_logprobs, []
+        return out
+
+    def _on_death(self, exc: BaseException) -> None:
+        """The loop died: every sequence it held (and any still in the inbox) ends with "error"."""
+        self._apply_inbox()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(seq, "error")
+
     def _finish(self, seq: Sequence, reason: str, text: str = "", emit: bool = True) -> None:
         self.scheduler.finish(seq, reason)
         if seq.seq_id in self._callbacks:
@@ -274,6 +301,7 @@ class DecodeEngine(EngineThread):
         if emit:
             self.metrics.gen_e2e.observe(time.monotonic() - seq.arrival)
             self._emit(seq, GenerationEvent(text, [], reason, seq.num_prompt_tokens,
-                                            len(seq.completion_ids), seq.num_cached_tokens))
+                                            len(seq.completion_ids), seq.num_cached_tokens,
+                                            self._take_logprobs(seq)))
         self._callbacks.pop(seq.seq_id, None)
         self._detok.pop(seq.seq_id, None)

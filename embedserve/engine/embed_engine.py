@@ -114,8 +114,8 @@ class EmbedEngine(EngineThread):
             raise ValidationError(f"input {too_long[0]} has {len(request.inputs[too_long[0]])} tokens, "
                                   f"more than --max-batch-tokens {cfg.max_batch_tokens}", param="input")
         with self._cv:
-            if self._stop or not self.health():
-                raise UnavailableError("the embedding engine is not running")
+            if self._stop or not self.alive():
+                raise UnavailableError("the embedding engine is not running" + (f" ({self.death})" if self.death else ""))
             if len(self._active) >= cfg.max_concurrent_requests:
                 raise OverloadedError(
                     f"{len(self._active)} requests in flight, the limit (--max-concurrent-requests) is "
@@ -177,7 +177,7 @@ class EmbedEngine(EngineThread):
             want = set().union(*(e.request.want for e in batch))
             t0 = time.perf_counter()
             try:
-                with COMPUTE_LOCK:
+                with COMPUTE_LOCK, self.busy():
                     outs, computed = self.model.embed([e.request.inputs[e.index] for e in batch], want)
             except Exception as exc:  # a model failure fails this batch's requests, not the engine
                 logger.exception("embedding batch of %d inputs failed", len(batch))
@@ -211,6 +211,11 @@ class EmbedEngine(EngineThread):
             self._update_gauges()
         for r in done:
             r.on_done(r)
+
+    def _on_death(self, exc: BaseException) -> None:
+        with self._cv:
+            waiting = set(self._active)
+        self._fail(waiting, UnavailableError(f"the embedding engine stopped ({self.death})"))
 
     def _fail(self, requests: set[EmbedRequest], exc: BaseException) -> None:
         with self._cv:

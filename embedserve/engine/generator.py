@@ -36,6 +36,10 @@ class Generator:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token id decoded on its own, special tokens included (for logprobs)."""
+        return self.tokenizer.batch_decode([[i] for i in ids])
+
     def add(self, prompt_ids: list[int], params: SamplingParams,
             callback: Callable[[GenerationEvent], None]) -> int:
         return self.engine.add(prompt_ids, params, callback)
@@ -45,6 +49,9 @@ class Generator:
 
     def health(self) -> bool:
         return self.engine.health()
+
+    def health_problem(self) -> str | None:
+        return self.engine.health_problem()
 
     def start(self, metrics: Metrics | None = None) -> None:
         """Start the engine thread, reporting into `metrics` (the server's registry)."""

@@ -209,7 +209,7 @@ class EmbeddingModel:
             cached = cached_probe(self.fingerprint, self.device)
             cos = cached.min_cosine.get("int8") if cached else None
             if cos is None:
-                cos, encoder = self._agreement(choice.dtype, self.tokenize(PROBE_TEXTS))
+                cos, encoder = self._agreement(choice.dtype, self._probe_ids())
             check_gate("int8", cos, self.path.name)
         logger.info("dtype %s -> %s (%s)", choice.requested, choice.dtype, choice.reason)
         return choice.dtype, encoder
@@ -219,7 +219,7 @@ class EmbeddingModel:
         """Each candidate's minimum cosine to float32 on the probe texts and its speed on one
         ~2,000-token batch of them (best of three, after a warm-up), float32's too. With `keep`,
         the encoder of the precision chosen so far stays in it (only that one: memory)."""
-        ids = self.tokenize(texts or PROBE_TEXTS)
+        ids = self._probe_ids(texts)
         batch = (ids * (1 + 2000 // sum(map(len, ids))))[:256]
         result = ProbeResult()
         ref = None
@@ -242,7 +242,11 @@ class EmbeddingModel:
 
     def agreement(self, dtype: str, texts: list[str] | None = None) -> float:
         """Minimum cosine between `dtype`'s and float32's dense embeddings of `texts` (probe set by default)."""
-        return self._agreement(dtype, self.tokenize(texts or PROBE_TEXTS))[0]
+        return self._agreement(dtype, self._probe_ids(texts))[0]
+
+    def _probe_ids(self, texts: list[str] | None = None) -> list[list[int]]:
+        """The probe texts' token ids, cut to the model's limit (a tiny model has few positions)."""
+        return [self.truncate(x) for x in self.tokenize(texts or PROBE_TEXTS)]
 
     def _agreement(self, dtype: str, ids: list[list[int]]) -> tuple[float, Encoder]:
         ref = self._dense_with(load_encoder(self.path, "float32", self.device), ids)
@@ -281,6 +285,9 @@ class EmbeddingModel:
                     ) -> tuple[list[EmbedOutput], int]:
         order = sorted(range(len(batch)), key=lambda i: -len(batch[i]))
         lengths = [len(batch[i]) for i in order]
+        if lengths and lengths[0] > self.max_input_length:     # past the position embeddings
+            raise ValueError(f"an input of {lengths[0]} tokens reached the encoder of {self.path.name}, whose limit "
+                             f"is {self.max_input_length}: truncate (model.truncate) or refuse it before")
         plan = AttentionPlan.build(lengths)
         dev = self.device
         ids = torch.tensor([t for i in order for t in batch[i]], dtype=torch.long, device=dev)
