@@ -78,6 +78,34 @@ def test_large_request_spreads_over_batches_and_returns_in_order():
     assert r.status is RequestStatus.FINISHED
 
 
+def test_real_model_request_spreads_over_batches_and_equals_each_input_alone(minilm_model):
+    """The same with the real MiniLM (fp32): every batch within the budget, outputs in request
+    order and equal to each input embedded on its own."""
+    class Recording:
+        def __init__(self, model):
+            self.model, self.batches = model, []
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def embed(self, batch, want):
+            self.batches.append([len(x) for x in batch])
+            return self.model.embed(batch, want)
+
+    model = Recording(minilm_model)
+    ids = minilm_model.tokenize([f"Sentence {i} about the river " + "and the sea " * i for i in range(20)])
+    eng = _engine(model, max_batch_tokens=128, max_batch_size=4, max_queued_tokens=10_000)
+    done = threading.Event()
+    r = EmbedRequest(inputs=ids, want=frozenset({"dense"}), on_done=lambda r: done.set())
+    eng.submit(r)
+    assert done.wait(60)
+    eng.stop()
+    assert len(model.batches) > 1 and all(sum(b) <= 128 and len(b) <= 4 for b in model.batches)
+    for i, out in enumerate(r.outputs):
+        alone = minilm_model.embed([ids[i]], {"dense"})[0][0].dense
+        np.testing.assert_allclose(out.dense, alone, atol=1e-5)
+
+
 def test_overload_is_refused_with_retry_after():
     model = FakeModel(delay=0.3)
     eng = _engine(model, max_batch_tokens=64, max_batch_size=8, max_queued_tokens=128,

@@ -236,6 +236,12 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path
         t = threading.Thread(target=stream)
         t.start()
         assert started.wait(60)
+        more = [{"id": f"e{i}", "text": f"Another document, number {i}, about lakes and glaciers."} for i in range(200)]
+        upsert = {}
+        w = threading.Thread(target=lambda: upsert.setdefault("r", httpx.post(
+            base + "/v1/indexes/kb/documents", json={"documents": more}, timeout=120)))
+        w.start()                                                  # an index write in flight at the signal
+        time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         ready = httpx.get(base + "/ready")
@@ -244,6 +250,8 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path
         assert new.status_code == 503 and "shutting down" in new.json()["error"]["message"]
         assert new.headers["retry-after"] == "5"
         t.join(120)
+        w.join(120)
+        assert upsert["r"].status_code == 200, upsert["r"].text       # begun before the signal: finished
         assert streamed["status"] == 200 and streamed["chunks"][-1] == "[DONE]"
         usage = json.loads(streamed["chunks"][-2])["usage"]
         assert usage["completion_tokens"] == 120                   # finished whole, not cut
@@ -254,7 +262,7 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path
         _stop(proc)
     store = IndexStore(tmp_path)
     with store.open("kb") as ix:
-        assert ix.counts()["documents"] == 50
+        assert ix.counts()["documents"] == 250
         report = verify_index(ix)
         assert report.ok, report
 
