@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     serve_cmds.register(sub)
     # dispatched in main() before parsing; listed here for the help text
-    sub.add_parser("bench", help="embedding throughput benchmark: ours over HTTP vs sentence-transformers "
+    sub.add_parser("bench", help="`bench embed|generate`: load generator for any OpenAI-compatible server "
+                   "(`embedserve bench embed --help`); plain `bench`: ours over HTTP vs sentence-transformers "
                    "(`embedserve bench --help`)", add_help=False)
     index_cmds.register(sub)
     reindex_cmds.register(sub)
@@ -27,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        # the benchmark owns all of its flags, --help included
+        # the benchmarks own all of their flags, --help included
+        if argv[1:2] in (["embed"], ["generate"]):
+            from ..bench.load import main as load_main
+            return load_main(argv[1:])
         from ..bench.embed_bench import main as bench_main
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)

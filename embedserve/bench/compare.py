@@ -1,0 +1,545 @@
+"""`make bench`: embedserve side by side with the servers a user would pick instead, on this
+machine, in one run, written to embedserve/bench/results/compare.{json,md} and BENCHMARKS.md.
+
+Every served system is driven by the same load generator (`embedserve bench embed|generate`,
+OpenAI-compatible HTTP only) with the same texts, model directory, precision and concurrency;
+the offline peers (sentence-transformers `encode`, Hugging Face `generate` in static batches as
+wide as the served runs' concurrency) run in this process on the same inputs. Medians of
+`--runs` runs (default 3). Peers live in their own venvs under .bench-peers/ (the Makefile
+builds them once); a peer that is not installed is reported as such, never estimated.
+
+  embeddings  all-MiniLM-L6-v2 and multilingual-e5-small: embedserve, infinity-emb and
+              sentence-transformers, each in fp32 and in its best precision here; 1 text per
+              request at 8 and 32 concurrent clients, 32 texts per request at 8; a Poisson sweep
+              to saturation for the best precisions
+  generation  SmolLM2-135M-Instruct, bf16 (and fp32 at 16): embedserve vs vLLM (CPU) vs HF
+              static batching at 1, 16 and 64 concurrent requests, 128-token prompts, outputs
+              16..128 tokens, ignore_eos; and a RAG shape (a 1,000-token shared system prompt)
+              with our prefix caching on and off
+  ceiling     the encoder's FLOPs/token × our tokens/s against a large matmul's FLOP/s, and the
+              decoder's weight bytes per step × steps/s against a copy's memory bandwidth
+
+    python -m embedserve.bench.compare            # what `make bench` runs (about 25 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from . import load
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS = ROOT / ".bench-peers"
+RESULTS = ROOT / "embedserve" / "bench" / "results"
+GEN_MODEL = "SmolLM2-135M-Instruct"
+EMBED_MODELS = ("all-MiniLM-L6-v2", "multilingual-e5-small")
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_TARGET_DEVICE": "cpu"}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(name: str, cmd: list[str], port: int, ready: str, env: dict | None = None, timeout: float = 400):
+    """A server subprocess, yielded once `ready` answers 200; its log in a temp file."""
+    logf = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    try:
+        while True:
+            if proc.poll() is not None:
+                logf.seek(0)
+                raise RuntimeError(f"{name} exited during start-up:\n{logf.read()[-3000:]}")
+            try:
+                if httpx.get(base + ready, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() - t0 > timeout:
+                raise RuntimeError(f"{name} not ready in {timeout:.0f} s")
+            time.sleep(0.5)
+        log(f"{name} ready in {time.time() - t0:.0f} s")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def ours(model: str, dtype: str, generate: str = "none", extra: tuple = ()):
+    port = _port()
+    cmd = [sys.executable, "-m", "embedserve.cli", "serve", "--model", model, "--dtype", dtype, "--port", str(port),
+           "--generate-model", generate, "--max-concurrent-requests", "4096", "--max-queued-tokens", "4000000",
+           "--log-level", "warning", *extra]
+    return served(f"embedserve-{dtype}", cmd, port, "/ready")
+
+
+def infinity(model_dir: Path, name: str, dtype: str):
+    exe = PEERS / "infinity" / "bin" / "infinity_emb"
+    port = _port()
+    cmd = [str(exe), "v2", "--model-id", str(model_dir), "--served-model-name", name, "--engine", "torch",
+           "--device", "cpu", "--no-bettertransformer", "--dtype", dtype, "--port", str(port), "--url-prefix", "/v1"]
+    return served(f"infinity-{dtype}", cmd, port, "/v1/models")
+
+
+def vllm(model_dir: Path, dtype: str, extra: tuple = ()):
+    port = _port()
+    cmd = [str(PEERS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", GEN_MODEL, "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
+           "--max-model-len", "2048", "--max-num-seqs", "64", "--disable-log-requests", *extra]
+    return served(f"vllm-{dtype}", cmd, port, "/v1/models", env=VLLM_ENV, timeout=600)
+
+
+def peer_missing(name: str) -> str | None:
+    exe = {"infinity": PEERS / "infinity" / "bin" / "infinity_emb", "vllm": PEERS / "vllm" / "bin" / "python"}[name]
+    return None if exe.exists() else f"not installed ({exe} missing; `make bench-peers` builds it)"
+
+
+def drive(kind: str, base: str, model: str, dataset: Path, *flags: str) -> list[dict]:
+    """One `embedserve bench` invocation; its runs."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    argv = [kind, "--base-url", base, "--model", model, "--dataset", "jsonl", "--dataset-path", str(dataset),
+            "--out", out, *flags]
+    if load.main(argv) != 0:
+        raise RuntimeError(f"embedserve bench {' '.join(argv)} failed")
+    return json.loads(Path(out).read_text())["runs"]
+
+
+def med(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+# ============================================================================ embeddings
+def corpus(n: int, seed: int = 0) -> list[str]:
+    """Mixed-length English and Chinese paragraphs (a log-normal mix, median ≈ 40 words)."""
+    rng = np.random.default_rng(seed)
+    en = ("the index stores passages and the service embeds queries so that retrieval finds the closest "
+          "documents about rivers cities history science music software databases and the weather in "
+          "spring when the trains run late and the markets open early").split()
+    zh = list("检索系统把文档切成段落并用向量表示查询找到最相近的内容城市历史科学音乐软件数据库天气")
+    out = []
+    for i in range(n):
+        k = int(np.clip(rng.lognormal(np.log(40), 0.8), 3, 300))
+        out.append(" ".join(rng.choice(en, size=k)) if i % 4 else "".join(rng.choice(zh, size=k)))
+    return out
+
+
+def _jsonl(rows: list[dict], path: Path) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+EMBED_WORKLOADS = (("1 text/request, 8 clients", 1, 8, 384), ("1 text/request, 32 clients", 1, 32, 384),
+                   ("32 texts/request, 8 clients", 32, 8, 24))
+
+
+def embed_served(system: str, base: str, model: str, data: Path, runs: int) -> dict:
+    """The three fixed workloads, `runs` times each; medians of texts/s and p50/p99 latency."""
+    out = {}
+    for label, per_req, conc, n in EMBED_WORKLOADS:
+        rs = []
+        for _ in range(runs):
+            rs += drive("embed", base, model, data, "--batch-size", str(per_req), "--max-concurrency", str(conc),
+                        "--num-requests", str(n), "--warmup", str(min(conc, n)))
+        out[label] = {"texts_per_s": med([r["metrics"]["request_throughput"] * per_req for r in rs]),
+                      "tokens_per_s": med([r["metrics"]["input_token_throughput"] for r in rs]),
+                      "p50_ms": med([r["metrics"]["e2e_latency_ms"]["p50"] for r in rs]),
+                      "p99_ms": med([r["metrics"]["e2e_latency_ms"]["p99"] for r in rs]),
+                      "failed": sum(r["metrics"]["failed"] for r in rs)}
+        log(f"  {system} {label}: {out[label]['texts_per_s']:.0f} texts/s, p99 {out[label]['p99_ms']:.0f} ms")
+    return out
+
+
+def embed_sweep(base: str, model: str, data: Path, saturation: float) -> list[dict]:
+    """Poisson arrivals (1 text per request) at fractions of the measured saturation rate."""
+    rates = [round(saturation * f, 1) for f in (0.25, 0.5, 0.75, 1.0, 1.25)]
+    rs = drive("embed", base, model, data, "--batch-size", "1", "--num-requests", "256", "--warmup", "16",
+               "--max-concurrency", "256", "--sweep", "rate=" + ",".join(map(str, rates)))
+    return [{"rate": r["request_rate"], "texts_per_s": r["metrics"]["request_throughput"],
+             "p50_ms": r["metrics"]["e2e_latency_ms"]["p50"], "p99_ms": r["metrics"]["e2e_latency_ms"]["p99"],
+             "failed": r["metrics"]["failed"]} for r in rs]
+
+
+def st_offline(path: Path, dtype: str, texts: list[str], runs: int) -> dict:
+    import torch
+    from sentence_transformers import SentenceTransformer
+    st = SentenceTransformer(str(path), device="cpu")
+    if dtype == "bfloat16":
+        st = st.to(torch.bfloat16)
+    st.encode(texts[:64], batch_size=32)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        st.encode(texts, batch_size=32)
+        times.append(time.perf_counter() - t0)
+    return {"texts_per_s": len(texts) / med(times)}
+
+
+def bench_embeddings(runs: int, work: Path) -> dict:
+    from embedserve.models.registry import resolve_model
+    texts = corpus(768)
+    data = _jsonl([{"text": t} for t in texts], work / "corpus.jsonl")
+    result = {}
+    for model in EMBED_MODELS:
+        name, path = resolve_model(model)
+        res: dict = {"ours": {}, "infinity": {}, "sentence_transformers": {}, "sweep": {}}
+        for dtype in ("float32", "auto"):
+            with ours(model, dtype) as base:
+                resolved = httpx.get(base + "/v1/models").json()["data"][0]["dtype"]
+                key = "float32" if dtype == "float32" else f"best ({resolved})"
+                res["ours"][key] = embed_served(f"embedserve {resolved}", base, name, data, runs)
+                if dtype == "auto":
+                    sat = res["ours"][key]["1 text/request, 32 clients"]["texts_per_s"]
+                    res["sweep"]["ours"] = embed_sweep(base, name, data, sat)
+        missing = peer_missing("infinity")
+        for dtype in ("float32", "bfloat16"):
+            if missing:
+                res["infinity"] = {"not_run": missing}
+                break
+            with infinity(path, name, dtype) as base:
+                key = "float32" if dtype == "float32" else "best (bfloat16)"
+                res["infinity"][key] = embed_served(f"infinity {dtype}", base, name, data, runs)
+                if dtype == "bfloat16":
+                    sat = res["infinity"][key]["1 text/request, 32 clients"]["texts_per_s"]
+                    res["sweep"]["infinity"] = embed_sweep(base, name, data, sat)
+        for dtype in ("float32", "bfloat16"):
+            key = "float32" if dtype == "float32" else "best (bfloat16)"
+            res["sentence_transformers"][key] = st_offline(path, dtype, texts, runs)
+            log(f"  sentence-transformers {dtype}: {res['sentence_transformers'][key]['texts_per_s']:.0f} texts/s")
+        result[model] = res
+    return result
+
+
+# ============================================================================ generation
+def gen_dataset(tok, n: int, prompt_len: int, out_lo: int, out_hi: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    words = ("the system retrieves passages from an index and the model answers questions about history "
+             "science cities rivers music and software engineering with short sentences").split()
+    rows = []
+    for _ in range(n):
+        ids = tok(" ".join(rng.choice(words, size=prompt_len * 2))).input_ids[:prompt_len]
+        rows.append({"prompt": tok.decode(ids), "output_len": int(rng.integers(out_lo, out_hi + 1))})
+    return rows
+
+
+GEN_SHAPES = ((1, 8), (16, 32), (64, 64))            # (concurrency, requests)
+
+
+def gen_served(system: str, base: str, datasets: dict, runs: int, shapes=GEN_SHAPES) -> dict:
+    out = {}
+    for conc, n in shapes:
+        rs = []
+        for _ in range(runs):
+            rs += drive("generate", base, GEN_MODEL, datasets[conc], "--max-concurrency", str(conc),
+                        "--num-requests", str(n), "--warmup", str(min(conc, 4)), "--ignore-eos")
+        m = [r["metrics"] for r in rs]
+        out[str(conc)] = {"output_tokens_per_s": med([x["output_token_throughput"] for x in m]),
+                          "ttft_p50_ms": med([x["ttft_ms"]["p50"] for x in m]),
+                          "tpot_p50_ms": med([x["tpot_ms"]["p50"] for x in m]),
+                          "itl_p99_ms": med([x["itl_ms"]["p99"] for x in m]),
+                          "failed": sum(x["failed"] for x in m)}
+        log(f"  {system} @{conc}: {out[str(conc)]['output_tokens_per_s']:.0f} output tokens/s")
+    return out
+
+
+def hf_static(path: Path, dtype: str, rows_by_conc: dict, runs: int, shapes=GEN_SHAPES) -> dict:
+    """HF `generate`, greedy, static batches as wide as the concurrency, prompts padded on the
+    left; every sequence of a batch runs to the batch's longest output (min_new_tokens =
+    max_new_tokens, HF's ignore_eos); useful tokens = each request's own output length."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+    out = {}
+    for conc, n in shapes:
+        rows = rows_by_conc[conc][:n]
+        useful = sum(r["output_len"] for r in rows)
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for i in range(0, n, conc):
+                batch = rows[i:i + conc]
+                enc = tok([r["prompt"] for r in batch], return_tensors="pt", padding=True)
+                longest = max(r["output_len"] for r in batch)
+                with torch.no_grad():
+                    model.generate(**enc, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                                   pad_token_id=tok.pad_token_id)
+            times.append(time.perf_counter() - t0)
+        out[str(conc)] = {"output_tokens_per_s": useful / med(times)}
+        log(f"  hf static {dtype} @{conc}: {out[str(conc)]['output_tokens_per_s']:.0f} output tokens/s")
+    return out
+
+
+def bench_generation(runs: int, work: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from embedserve.models.registry import resolve_generate_model
+    _, path = resolve_generate_model(GEN_MODEL)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    rows = {conc: gen_dataset(tok, n, 128, 16, 128, seed=conc) for conc, n in GEN_SHAPES}
+    data = {conc: _jsonl(r, work / f"gen-{conc}.jsonl") for conc, r in rows.items()}
+    res: dict = {"ours": {}, "vllm": {}, "hf_static": {}}
+    fp32_shape = ((16, 32),)
+    for dtype, shapes in (("bfloat16", GEN_SHAPES), ("float32", fp32_shape)):
+        with ours("all-MiniLM-L6-v2", dtype, generate=GEN_MODEL, extra=("--max-num-seqs", "64")) as base:
+            res["ours"][dtype] = gen_served(f"embedserve {dtype}", base, data, runs, shapes)
+        missing = peer_missing("vllm")
+        if missing:
+            res["vllm"] = {"not_run": missing}
+        else:
+            try:
+                with vllm(path, dtype) as base:
+                    res["vllm"][dtype] = gen_served(f"vllm {dtype}", base, data, runs, shapes)
+            except RuntimeError as exc:
+                res["vllm"][dtype] = {"not_run": str(exc).splitlines()[0]}
+        res["hf_static"][dtype] = hf_static(path, dtype, rows, runs, shapes)
+    res["rag_prefix_caching"] = bench_rag(tok, work, runs)
+    return res
+
+
+def bench_rag(tok, work: Path, runs: int) -> dict:
+    """A 1,000-token shared system prompt + a 150-token document + a question, 16 output tokens,
+    one at a time: TTFT with our prefix caching on and off."""
+    rng = np.random.default_rng(3)
+    words = "retrieval passage source cite answer question context history river city science".split()
+    system = tok.decode(tok(" ".join(rng.choice(words, size=2000))).input_ids[:1000])
+    rows = [{"prompt": system + "\n\nDocument: " + tok.decode(tok(" ".join(rng.choice(words, size=300))).input_ids[:150])
+             + f"\n\nQuestion {i}: what does the document say?\nAnswer:", "output_len": 16} for i in range(12)]
+    data = _jsonl(rows, work / "rag.jsonl")
+    out = {}
+    for label, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
+        with ours("all-MiniLM-L6-v2", "bfloat16", generate=GEN_MODEL, extra=(flag,)) as base:
+            rs = []
+            for _ in range(runs):
+                rs += drive("generate", base, GEN_MODEL, data, "--max-concurrency", "1", "--num-requests", "12",
+                            "--warmup", "1", "--ignore-eos")
+            out[label] = {"ttft_p50_ms": med([r["metrics"]["ttft_ms"]["p50"] for r in rs]),
+                          "e2e_p50_ms": med([r["metrics"]["e2e_latency_ms"]["p50"] for r in rs])}
+            log(f"  RAG prefix caching {label}: TTFT p50 {out[label]['ttft_p50_ms']:.0f} ms")
+    return out
+
+
+# ============================================================================ ceiling
+def matmul_flops(dtype: str, n: int = 2048, reps: int = 5) -> float:
+    import torch
+    if dtype == "int8":
+        a = torch.randint(-100, 100, (n, n), dtype=torch.int8)
+        b = torch.randint(-100, 100, (n, n), dtype=torch.int8)
+        fn = lambda: torch._int_mm(a, b)            # noqa: E731
+    else:
+        a = torch.randn(n, n, dtype=getattr(torch, dtype))
+        b = torch.randn(n, n, dtype=getattr(torch, dtype))
+        fn = lambda: a @ b                           # noqa: E731
+    fn()
+    best = min(_timed(fn) for _ in range(reps))
+    return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def copy_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    import torch
+    src = torch.empty(mib * 2 ** 20, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    return 2 * src.numel() / best                    # read + write
+
+
+def encoder_flops_per_token(model_dir: Path, avg_len: float) -> float:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    dense = layers * (4 * h * h + 2 * h * inter)          # Q, K, V, O and the two FFN matrices
+    attention = layers * 2 * h * avg_len                  # QK^T and PV per token
+    return 2 * (dense + attention)
+
+
+def bench_ceiling(emb: dict, gen: dict) -> dict:
+    import torch
+
+    from embedserve.models.registry import resolve_generate_model, resolve_model
+    out = {"threads": torch.get_num_threads()}
+    for model in EMBED_MODELS:
+        _, path = resolve_model(model)
+        best_key = next(k for k in emb[model]["ours"] if k.startswith("best"))
+        best = emb[model]["ours"][best_key]["32 texts/request, 8 clients"]
+        fp32 = emb[model]["ours"]["float32"]["32 texts/request, 8 clients"]
+        avg_len = best["tokens_per_s"] / max(best["texts_per_s"], 1e-9)
+        fpt = encoder_flops_per_token(path, avg_len)
+        dtype = best_key.split("(")[1].rstrip(")")
+        peak = matmul_flops(dtype)
+        peak32 = matmul_flops("float32")
+        out[model] = {"flops_per_token": fpt, "avg_tokens_per_text": avg_len,
+                      "best": {"dtype": dtype, "tokens_per_s": best["tokens_per_s"],
+                               "achieved_gflops": fpt * best["tokens_per_s"] / 1e9, "matmul_gflops": peak / 1e9,
+                               "fraction": fpt * best["tokens_per_s"] / peak},
+                      "float32": {"tokens_per_s": fp32["tokens_per_s"],
+                                  "achieved_gflops": fpt * fp32["tokens_per_s"] / 1e9, "matmul_gflops": peak32 / 1e9,
+                                  "fraction": fpt * fp32["tokens_per_s"] / peak32}}
+    _, gpath = resolve_generate_model(GEN_MODEL)
+    from safetensors import safe_open
+    params = 0
+    for f in gpath.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                params += int(np.prod(st.get_slice(k).get_shape()))
+    bw = copy_bandwidth()
+    alone = gen["ours"]["bfloat16"]["1"]["output_tokens_per_s"]
+    out["decoder"] = {"params": params, "bytes_per_step_bf16": 2 * params, "steps_per_s_alone": alone,
+                      "achieved_gb_per_s": 2 * params * alone / 1e9, "copy_gb_per_s": bw / 1e9,
+                      "fraction": 2 * params * alone / bw}
+    return out
+
+
+# ============================================================================ report
+def _x(a, b) -> str:
+    return f"{a / b:.2f}×" if a and b else "—"
+
+
+def markdown(res: dict) -> str:
+    m = res["machine"]
+    lines = [f"Run {res['date']} with `{res['command']}` on {m.get('cpu_model', m.get('cpu', '?'))}, "
+             f"{m.get('cores')} cores, CPU flags {', '.join(res['cpu_flags'])}; medians of {res['runs']} runs; "
+             f"{res['minutes']:.1f} minutes in all.", ""]
+    for model, r in res["embeddings"].items():
+        lines += [f"### Embeddings, {model} (texts/s, p99 ms)", "",
+                  "| system | precision | 1/req × 8 | 1/req × 32 | 32/req × 8 | p99 1/req × 32 |", "|---|---|---|---|---|---|"]
+        for system in ("ours", "infinity"):
+            if "not_run" in r[system]:
+                lines.append(f"| {system} | — | {r[system]['not_run']} | | | |")
+                continue
+            for prec, w in r[system].items():
+                cells = [f"{w[label]['texts_per_s']:.0f}" for label, *_ in EMBED_WORKLOADS]
+                lines.append(f"| {'embedserve' if system == 'ours' else 'infinity-emb 0.0.78'} | {prec} | "
+                             + " | ".join(cells) + f" | {w['1 text/request, 32 clients']['p99_ms']:.0f} |")
+        for prec, w in r["sentence_transformers"].items():
+            lines.append(f"| sentence-transformers (offline, batch 32) | {prec} | | | {w['texts_per_s']:.0f} | |")
+        ob = next(v for k, v in r["ours"].items() if k.startswith("best"))
+        if "not_run" not in r["infinity"]:
+            ib = r["infinity"]["best (bfloat16)"]
+            lines += ["", f"Ratio ours/infinity, best precision each: "
+                      + ", ".join(f"{label} {_x(ob[label]['texts_per_s'], ib[label]['texts_per_s'])}"
+                                  for label, *_ in EMBED_WORKLOADS)
+                      + f"; fp32 each: " + ", ".join(
+                          f"{label} {_x(r['ours']['float32'][label]['texts_per_s'], r['infinity']['float32'][label]['texts_per_s'])}"
+                          for label, *_ in EMBED_WORKLOADS) + "."]
+        lines.append("")
+        for system, pts in r["sweep"].items():
+            lines.append(f"Poisson sweep, {system} (best precision): " + "; ".join(
+                f"{p['rate']}/s → {p['texts_per_s']:.0f} texts/s, p50 {p['p50_ms']:.0f} ms, p99 {p['p99_ms']:.0f} ms"
+                for p in pts))
+        lines.append("")
+    g = res["generation"]
+    lines += ["### Generation, SmolLM2-135M-Instruct (output tokens/s; TTFT p50 ms)", "",
+              "| precision | concurrency | embedserve | vLLM CPU 0.32 | HF static (same width) | ours/vLLM | ours/HF |",
+              "|---|---|---|---|---|---|---|"]
+    for dtype, shapes in (("bfloat16", GEN_SHAPES), ("float32", ((16, 32),))):
+        for conc, _ in shapes:
+            o = g["ours"][dtype][str(conc)]
+            v = g["vllm"].get(dtype, {}).get(str(conc)) if "not_run" not in g["vllm"] else None
+            h = g["hf_static"][dtype][str(conc)]
+            vcell = (f"{v['output_tokens_per_s']:.0f} (TTFT {v['ttft_p50_ms']:.0f})" if v
+                     else (g["vllm"].get("not_run") or g["vllm"].get(dtype, {}).get("not_run", "—")))
+            lines.append(f"| {dtype} | {conc} | {o['output_tokens_per_s']:.0f} (TTFT {o['ttft_p50_ms']:.0f}) | {vcell} | "
+                         f"{h['output_tokens_per_s']:.0f} | {_x(o['output_tokens_per_s'], v['output_tokens_per_s'] if v else None)} | "
+                         f"{_x(o['output_tokens_per_s'], h['output_tokens_per_s'])} |")
+    rag = g["rag_prefix_caching"]
+    lines += ["", f"RAG shape (1,000-token shared system prompt, 150-token document, 16 output tokens, one at a "
+              f"time, bf16): TTFT p50 {rag['on']['ttft_p50_ms']:.0f} ms with prefix caching, "
+              f"{rag['off']['ttft_p50_ms']:.0f} ms without ({_x(rag['off']['ttft_p50_ms'], rag['on']['ttft_p50_ms'])}).", ""]
+    c = res["ceiling"]
+    lines += ["### How close to the machine's limit", "",
+              "| model | precision | FLOPs/token | our tokens/s | achieved GFLOP/s | matmul GFLOP/s (same precision) | fraction |",
+              "|---|---|---|---|---|---|---|"]
+    for model in EMBED_MODELS:
+        for key in ("float32", "best"):
+            x = c[model][key]
+            prec = "float32" if key == "float32" else x["dtype"]
+            lines.append(f"| {model} | {prec} | {c[model]['flops_per_token'] / 1e6:.1f} M | {x['tokens_per_s']:.0f} | "
+                         f"{x['achieved_gflops']:.0f} | {x['matmul_gflops']:.0f} | {100 * x['fraction']:.0f} % |")
+    d = c["decoder"]
+    lines += ["", f"Decoder alone (bf16, one sequence): {d['params'] / 1e6:.0f} M parameters = "
+              f"{d['bytes_per_step_bf16'] / 1e6:.0f} MB read per step × {d['steps_per_s_alone']:.0f} steps/s = "
+              f"{d['achieved_gb_per_s']:.1f} GB/s against {d['copy_gb_per_s']:.1f} GB/s measured copy bandwidth "
+              f"({100 * d['fraction']:.0f} %).", ""]
+    return "\n".join(lines)
+
+
+def update_benchmarks_md(md: str) -> None:
+    path = ROOT / "BENCHMARKS.md"
+    text = path.read_text()
+    begin, end = "<!-- make-bench:begin -->", "<!-- make-bench:end -->"
+    if begin in text:
+        text = text[:text.index(begin) + len(begin)] + "\n" + md + "\n" + text[text.index(end):]
+        path.write_text(text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--only", choices=("embeddings", "generation"), default=None)
+    ap.add_argument("--out", default=str(RESULTS / "compare.json"))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("EMBEDSERVE_THREADS", str(os.cpu_count() or 1))
+    from embedserve.precision import cpu_flags
+    t0 = time.time()
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    res = {"command": "make bench", "date": time.strftime("%Y-%m-%d"), "runs": args.runs,
+           "machine": load.machine_info(),
+           "cpu_flags": sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni",
+                                                                "amx_bf16", "amx_int8"))}
+    if args.only in (None, "embeddings"):
+        log("embeddings")
+        res["embeddings"] = bench_embeddings(args.runs, work)
+    if args.only in (None, "generation"):
+        log("generation")
+        res["generation"] = bench_generation(args.runs, work)
+    if args.only is None:
+        log("ceiling")
+        res["ceiling"] = bench_ceiling(res["embeddings"], res["generation"])
+    res["minutes"] = (time.time() - t0) / 60
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    if args.only is None:
+        md = markdown(res)
+        Path(args.out).with_suffix(".md").write_text(md + "\n")
+        update_benchmarks_md(md)
+        print(md)
+    log(f"done in {res['minutes']:.1f} minutes; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
