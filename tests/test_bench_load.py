@@ -302,10 +302,11 @@ def test_an_unreachable_server_is_one_line_and_exit_2(capsys):
     assert rc == 2 and len(err) == 1 and "cannot reach" in err[0]
 
 
-def test_plain_bench_still_goes_to_the_embedding_benchmark(capsys):
+def test_bench_routes_to_the_load_generator_or_the_comparison(capsys):
     with pytest.raises(SystemExit):
-        cli_main(["bench", "--help"])
-    assert "--bf16-texts" in capsys.readouterr().out
+        cli_main(["bench", "compare", "--help"])
+    assert "make bench" in capsys.readouterr().out
+    assert cli_main(["bench"]) == 2 and "choose `embed`" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- the real server

@@ -111,7 +111,7 @@ def vllm(model_dir: Path, dtype: str, extra: tuple = ()):
     port = _port()
     cmd = [str(PEERS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", GEN_MODEL, "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
-           "--max-model-len", "2048", "--max-num-seqs", "64", "--disable-log-requests", *extra]
+           "--max-model-len", "2048", "--max-num-seqs", "64", *extra]
     return served(f"vllm-{dtype}", cmd, port, "/v1/models", env=VLLM_ENV, timeout=600)
 
 
@@ -450,10 +450,10 @@ def markdown(res: dict) -> str:
         ob = next(v for k, v in r["ours"].items() if k.startswith("best"))
         if "not_run" not in r["infinity"]:
             ib = r["infinity"]["best (bfloat16)"]
-            lines += ["", f"Ratio ours/infinity, best precision each: "
+            lines += ["", "Ratio ours/infinity, best precision each: "
                       + ", ".join(f"{label} {_x(ob[label]['texts_per_s'], ib[label]['texts_per_s'])}"
                                   for label, *_ in EMBED_WORKLOADS)
-                      + f"; fp32 each: " + ", ".join(
+                      + "; fp32 each: " + ", ".join(
                           f"{label} {_x(r['ours']['float32'][label]['texts_per_s'], r['infinity']['float32'][label]['texts_per_s'])}"
                           for label, *_ in EMBED_WORKLOADS) + "."]
         lines.append("")

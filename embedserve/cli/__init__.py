@@ -18,8 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmds.register(sub)
     # dispatched in main() before parsing; listed here for the help text
     sub.add_parser("bench", help="`bench embed|generate`: load generator for any OpenAI-compatible server "
-                   "(`embedserve bench embed --help`); plain `bench`: ours over HTTP vs sentence-transformers "
-                   "(`embedserve bench --help`)", add_help=False)
+                   "(`embedserve bench embed --help`); `bench compare`: the side-by-side run of `make bench` "
+                   "(`embedserve bench compare --help`)", add_help=False)
     index_cmds.register(sub)
     reindex_cmds.register(sub)
     return p
@@ -32,8 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         if argv[1:2] in (["embed"], ["generate"]):
             from ..bench.load import main as load_main
             return load_main(argv[1:])
-        from ..bench.embed_bench import main as bench_main
-        return bench_main(argv[1:])
+        if argv[1:2] == ["compare"]:
+            from ..bench.compare import main as compare_main
+            return compare_main(argv[2:])
+        print("embedserve bench: choose `embed`, `generate` (a load generator) or `compare` (make bench)",
+              file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
