@@ -1,0 +1,65 @@
+"""The report of `make bench` (embedserve.bench.compare): ratios, a missing peer said as such,
+and the tables written between BENCHMARKS.md's markers — on a small result of known numbers."""
+
+from __future__ import annotations
+
+from embedserve.bench import compare
+
+
+def _served(texts_per_s: float) -> dict:
+    return {label: {"texts_per_s": texts_per_s * (1 + i), "tokens_per_s": 50 * texts_per_s, "p50_ms": 10.0,
+                    "p99_ms": 40.0 + i, "failed": 0} for i, (label, *_) in enumerate(compare.EMBED_WORKLOADS)}
+
+
+def _gen(tps: float, shapes) -> dict:
+    return {str(c): {"output_tokens_per_s": tps * c, "ttft_p50_ms": 100.0, "tpot_p50_ms": 20.0, "itl_p99_ms": 50.0,
+                     "failed": 0} for c, _ in shapes}
+
+
+def _result(infinity_missing: bool) -> dict:
+    emb = {}
+    for model in compare.EMBED_MODELS:
+        emb[model] = {"ours": {"float32": _served(100), "best (int8)": _served(300)},
+                      "infinity": ({"not_run": "not installed (x missing)"} if infinity_missing else
+                                   {"float32": _served(50), "best (bfloat16)": _served(100)}),
+                      "sentence_transformers": {"float32": {"texts_per_s": 70.0}, "best (bfloat16)": {"texts_per_s": 90.0}},
+                      "sweep": {"ours": [{"rate": 75.0, "texts_per_s": 74.0, "p50_ms": 12.0, "p99_ms": 30.0, "failed": 0}]}}
+    shapes16 = ((16, 32),)
+    gen = {"ours": {"bfloat16": _gen(10, compare.GEN_SHAPES), "float32": _gen(8, shapes16)},
+           "vllm": {"bfloat16": _gen(12, compare.GEN_SHAPES), "float32": _gen(8, shapes16)},
+           "hf_static": {"bfloat16": _gen(4, compare.GEN_SHAPES), "float32": _gen(4, shapes16)},
+           "rag_prefix_caching": {"on": {"ttft_p50_ms": 50.0, "e2e_p50_ms": 400.0},
+                                  "off": {"ttft_p50_ms": 400.0, "e2e_p50_ms": 800.0}}}
+    ceiling = {model: {"flops_per_token": 45e6, "avg_tokens_per_text": 50,
+                       "best": {"dtype": "int8", "tokens_per_s": 10000, "achieved_gflops": 450, "matmul_gflops": 900,
+                                "fraction": 0.5},
+                       "float32": {"tokens_per_s": 4000, "achieved_gflops": 180, "matmul_gflops": 300, "fraction": 0.6}}
+               for model in compare.EMBED_MODELS}
+    ceiling["decoder"] = {"params": 135e6, "bytes_per_step_bf16": 270e6, "steps_per_s_alone": 50,
+                          "achieved_gb_per_s": 13.5, "copy_gb_per_s": 20.0, "fraction": 0.675}
+    return {"command": "make bench", "date": "2026-12-01", "runs": 3, "minutes": 24.0,
+            "machine": {"cpu": "Test CPU", "cores": 2}, "cpu_flags": ["avx2", "avx512_bf16"],
+            "embeddings": emb, "generation": gen, "ceiling": ceiling}
+
+
+def test_ratios_and_rows():
+    md = compare.markdown(_result(infinity_missing=False))
+    assert "1 text/request, 8 clients 3.00×" in md              # ours best 300 / infinity best 100
+    assert "fp32 each: 1 text/request, 8 clients 2.00×" in md   # 100 / 50
+    assert "| bfloat16 | 16 | 160 (TTFT 100) | 192 (TTFT 100) | 64 | 0.83× | 2.50× |" in md
+    assert "TTFT p50 50 ms with prefix caching, 400 ms without (8.00×)" in md
+    assert "| all-MiniLM-L6-v2 | int8 | 45.0 M | 10000 | 450 | 900 | 50 % |" in md
+    assert "(68 %)" in md and "Test CPU, 2 cores" in md
+
+
+def test_a_missing_peer_is_said_not_estimated():
+    md = compare.markdown(_result(infinity_missing=True))
+    assert "not installed (x missing)" in md and "Ratio ours/infinity" not in md
+
+
+def test_the_tables_go_between_the_markers(tmp_path, monkeypatch):
+    (tmp_path / "BENCHMARKS.md").write_text("# B\n<!-- make-bench:begin -->\nold\n<!-- make-bench:end -->\ntail\n")
+    monkeypatch.setattr(compare, "ROOT", tmp_path)
+    compare.update_benchmarks_md("new table")
+    assert (tmp_path / "BENCHMARKS.md").read_text() == \
+        "# B\n<!-- make-bench:begin -->\nnew table\n<!-- make-bench:end -->\ntail\n"
