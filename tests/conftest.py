@@ -96,6 +96,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, base: str, timeout: float, output, interval: float = 0.3) -> None:
+    """Return once `base`/ready answers 200; RuntimeError with the server's `output()` if the
+    process exits first or the deadline passes (the process is killed then)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + output())
+        try:
+            if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    proc.kill()
+    raise RuntimeError("server never became ready:\n" + output())
+
+
 @pytest.fixture(scope="session")
 def server_index_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("server-indexes")
@@ -113,19 +130,8 @@ def server(e5_dir, server_index_dir):
                              "--index-dir", str(server_index_dir)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
     try:
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + proc.stdout.read())
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise RuntimeError("server never became ready")
+        wait_ready(proc, base, 180, lambda: proc.stdout.read() if proc.poll() is not None else "")
         yield base
     finally:
         proc.terminate()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import BGE_M3_DIR, _free_port
+from conftest import BGE_M3_DIR, _free_port, wait_ready
 from embedserve.config import ServerConfig
 from embedserve.serve import build_app
 
@@ -85,18 +85,8 @@ def _serve(*args, env=None) -> tuple[subprocess.Popen, str]:
                             env=dict(os.environ, EMBEDSERVE_THREADS="2", **(env or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError("server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server never became ready")
+    wait_ready(proc, base, 240, lambda: proc.stdout.read() if proc.poll() is not None else "", interval=0.2)
+    return proc, base
 
 
 def _stop(proc: subprocess.Popen) -> None:

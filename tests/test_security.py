@@ -235,7 +235,7 @@ def _env() -> dict:
 
 def _start(args: list[str], log: Path):
     """`embedserve serve ARGS` on a free port, stdout+stderr into `log`; (process, base URL) once ready."""
-    from conftest import _free_port
+    from conftest import _free_port, wait_ready
 
     port = _free_port()
     out = open(log, "w")
@@ -243,18 +243,8 @@ def _start(args: list[str], log: Path):
                             env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
     out.close()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + log.read_text())
-        try:
-            if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server never became ready:\n" + log.read_text())
+    wait_ready(proc, base, 300, log.read_text)
+    return proc, base
 
 
 def _stop(proc) -> None:
