@@ -37,8 +37,17 @@ def test_impossible_settings_are_refused_with_the_flag_to_change():
 
 
 def test_bench_help_belongs_to_the_benchmark():
+    """`bench --help` lists the three benchmarks; each one's --help is its own flags (argparse's,
+    not the top-level parser's); `bench` alone or an unknown name is refused with the list."""
     r = _run("bench", "--help")
-    assert r.returncode == 0 and "--bf16-texts" in r.stdout
+    assert r.returncode == 0 and all(w in r.stdout for w in ("embed", "generate", "compare"))
+    r = _run("bench", "embed", "--help")
+    assert r.returncode == 0 and "--request-rate" in r.stdout and "--max-concurrency" in r.stdout
+    r = _run("bench", "compare", "--help")
+    assert r.returncode == 0 and "infinity" in r.stdout
+    for argv in (("bench",), ("bench", "serve")):
+        r = _run(*argv)
+        assert r.returncode == 2 and "choose `embed`" in r.stderr and "compare" in r.stderr
 
 
 def test_plan_names_the_dtype_serve_loads(tmp_path, minilm_dir, monkeypatch):

@@ -35,8 +35,16 @@ def main(argv: list[str] | None = None) -> int:
         if argv[1:2] == ["compare"]:
             from ..bench.compare import main as compare_main
             return compare_main(argv[2:])
-        print("embedserve bench: choose `embed`, `generate` (a load generator) or `compare` (make bench)",
-              file=sys.stderr)
+        usage = ("usage: embedserve bench {embed,generate,compare} ...\n\n"
+                 "  embed      load generator for POST /v1/embeddings on any OpenAI-compatible server\n"
+                 "  generate   load generator for /v1/completions and /v1/chat/completions (streaming)\n"
+                 "  compare    the side-by-side run of `make bench` (embedserve vs infinity-emb, vLLM, HF)\n\n"
+                 "`embedserve bench SUBCOMMAND --help` lists each one's flags.\n")
+        if argv[1:2] in (["-h"], ["--help"]):
+            print(usage, end="")
+            return 0
+        print("embedserve bench: choose `embed`, `generate` (a load generator) or `compare` (make bench)\n\n"
+              + usage, file=sys.stderr, end="")
         return 2
     args = build_parser().parse_args(argv)
     try:
