@@ -1,9 +1,9 @@
 """Attention over the paged KV cache, as the decode model calls it.
 
 On a GPU this dispatches to the Triton kernels (`kernels.attention_backend()`); on a CPU it
-runs a vectorized torch path — one gather of each sequence's cached K/V through its block
-table and one `scaled_dot_product_attention` for all decoding sequences, one per prefill
-chunk — that `tests/test_attention_dispatch.py` checks against `kernels.reference`.
+runs a vectorized torch path — one gather of each sequence's cached K/V blocks through its
+block table and one `scaled_dot_product_attention` for all decoding sequences (query heads of a
+KV head folded into the query rows), one per prefill chunk — that `tests/test_attention_dispatch.py` checks against `kernels.reference`.
 
 The batch is ordered decodes first (one query token each), then prefill chunks:
 
@@ -32,11 +32,9 @@ class AttentionMetadata:
     cache: dict = field(default_factory=dict)   # gather slots and masks, built once per step
 
 
-def _slots(block_tables: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
-    """(B, max_len) cache slots of each sequence's first max_len tokens."""
-    pos = torch.arange(max_len, device=block_tables.device)
-    blocks = block_tables[:, pos // block_size].long().clamp_min(0)
-    return blocks * block_size + pos % block_size
+def _blocks(block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """(B, num_blocks) int64 block ids; padding entries (-1) read block 0 and are masked."""
+    return block_tables[:, :num_blocks].long().clamp_min(0)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -52,28 +50,50 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def _plan(meta: AttentionMetadata, block_size: int) -> dict:
-    """Slots and masks shared by every layer of the step."""
+    """Block ids and masks shared by every layer of the step (keys padded to whole blocks)."""
     if meta.cache:
         return meta.cache
     dev = meta.block_tables.device
     D = meta.num_decodes
     if D:
-        L = max(meta.context_lens_list[:D])
-        meta.cache["decode"] = (
-            _slots(meta.block_tables[:D], block_size, L),
-            (torch.arange(L, device=dev)[None, :] < meta.context_lens[:D, None])[:, None, None, :])  # (D,1,1,L)
+        nb = -(-max(meta.context_lens_list[:D]) // block_size)
+        keys = torch.arange(nb * block_size, device=dev)
+        meta.cache["decode"] = (_blocks(meta.block_tables[:D], nb),
+                                (keys[None, :] < meta.context_lens[:D, None])[:, None, None, :])  # (D,1,1,L)
     starts = meta.cache["starts"] = meta.cu_seqlens_q.tolist()
     for b in range(D, len(meta.context_lens_list)):
         ql, n = starts[b + 1] - starts[b], meta.context_lens_list[b]
+        nb = -(-n // block_size)
         qpos = torch.arange(n - ql, n, device=dev)[:, None]
-        meta.cache[b] = (_slots(meta.block_tables[b:b + 1], block_size, n),
-                         (torch.arange(n, device=dev)[None, :] <= qpos)[None, None])     # (1,1,ql,n)
+        meta.cache[b] = (_blocks(meta.block_tables[b:b + 1], nb),
+                         (torch.arange(nb * block_size, device=dev)[None, :] <= qpos)[None, None])  # (1,1,ql,L)
     return meta.cache
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """(B, L, kvh, hd) -> transposed (B, kvh, L, hd) for SDPA."""
-    return cache.view(-1, *cache.shape[2:])[slots].transpose(1, 2)
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of each sequence, (B, nb) ids -> (B, kvh, nb * block_size, hd) for SDPA
+    (a block is one contiguous row of the cache seen as 2-D: `index_select` on rows is ~6x
+    faster on the CPU than advanced indexing, and far cheaper than gathering token rows)."""
+    B, nb = blocks.shape
+    rows = cache.view(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    return rows.view(B, nb * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+
+
+def _gqa_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention with each KV head's query heads folded into the query length:
+    q (B, ql, nh, hd), k/v (B, kvh, L, hd), mask (B, 1, ql, L) -> (B, ql, nh, hd).
+
+    One SDPA over (B, kvh) with g * ql query rows instead of `enable_gqa` over (B, nh) with ql
+    rows: for a decode (ql = 1) the CPU kernel is ~5x faster so. Query head h reads KV head
+    h // g, as in HF's repeat_kv."""
+    B, ql, nh, hd = q.shape
+    kvh = k.shape[1]
+    g = nh // kvh
+    qg = q.view(B, ql, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * ql, hd)
+    if ql > 1:
+        mask = mask[:, :, None].expand(B, 1, g, ql, mask.shape[-1]).reshape(B, 1, g * ql, mask.shape[-1])
+    o = F.scaled_dot_product_attention(qg.to(k.dtype), k, v, attn_mask=mask, scale=scale)   # (B, kvh, g*ql, hd)
+    return o.view(B, kvh, g, ql, hd).permute(0, 3, 1, 2, 4).reshape(B, ql, nh, hd)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -90,17 +110,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     plan = _plan(meta, k_cache.shape[1])
     D = meta.num_decodes
     if D:
-        slots, mask = plan["decode"]
-        o = F.scaled_dot_product_attention(q[:D, :, None, :].to(k_cache.dtype), _gather(k_cache, slots),
-                                           _gather(v_cache, slots), attn_mask=mask, scale=scale,
-                                           enable_gqa=True)                    # (D, nh, 1, hd)
-        out[:D] = o[:, :, 0, :].to(q.dtype)
+        blocks, mask = plan["decode"]
+        out[:D] = _gqa_sdpa(q[:D, None], _gather(k_cache, blocks), _gather(v_cache, blocks), mask, scale)[:, 0]
     starts = plan["starts"]
     for b in range(D, len(meta.context_lens_list)):
         s0, s1 = starts[b], starts[b + 1]
-        slots, mask = plan[b]
-        o = F.scaled_dot_product_attention(q[s0:s1].transpose(0, 1)[None].to(k_cache.dtype),
-                                           _gather(k_cache, slots), _gather(v_cache, slots),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)  # (1, nh, ql, hd)
-        out[s0:s1] = o[0].transpose(0, 1).to(q.dtype)
+        blocks, mask = plan[b]
+        out[s0:s1] = _gqa_sdpa(q[None, s0:s1], _gather(k_cache, blocks), _gather(v_cache, blocks), mask, scale)[0]
     return out
