@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from .linear import Linear
+
 logger = logging.getLogger(__name__)
 
 _KEY_PREFIXES = ("bert.", "roberta.", "model.", "encoder_model.")
@@ -107,26 +109,13 @@ class AttentionPlan:
         return plan
 
 
-class Linear:
-    """y = x W^T + b in the weights' dtype; the int8 path swaps in `models.int8.Int8Linear`."""
-
-    __slots__ = ("weight", "bias")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
-        self.weight, self.bias = weight, bias             # (N, K), (N,)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.weight, self.bias)
-
-
 class Encoder(torch.nn.Module):
     """Post-LayerNorm transformer encoder (BERT / XLM-R) over packed tokens."""
 
     def __init__(self, cfg: EncoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", pack: bool = True):
+        """`pack`: linears packed for oneDNN where that runs (`models.linear`); False keeps the
+        row-major weights (the int8 path quantizes from them)."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
@@ -149,17 +138,17 @@ class Encoder(torch.nn.Module):
             self.layers.append({
                 # q, k, v fused into one (3H, H) matmul
                 "qkv": Linear(torch.cat([w(a + "query.weight"), w(a + "key.weight"), w(a + "value.weight")]),
-                              torch.cat([w(a + "query.bias"), w(a + "key.bias"), w(a + "value.bias")])),
-                "attn_out": Linear(w(p + "attention.output.dense.weight"), w(p + "attention.output.dense.bias")),
+                              torch.cat([w(a + "query.bias"), w(a + "key.bias"), w(a + "value.bias")]), pack),
+                "attn_out": Linear(w(p + "attention.output.dense.weight"), w(p + "attention.output.dense.bias"), pack),
                 "ln1": (w(p + "attention.output.LayerNorm.weight"), w(p + "attention.output.LayerNorm.bias")),
-                "ffn_up": Linear(w(p + "intermediate.dense.weight"), w(p + "intermediate.dense.bias")),
-                "ffn_down": Linear(w(p + "output.dense.weight"), w(p + "output.dense.bias")),
+                "ffn_up": Linear(w(p + "intermediate.dense.weight"), w(p + "intermediate.dense.bias"), pack),
+                "ffn_down": Linear(w(p + "output.dense.weight"), w(p + "output.dense.bias"), pack),
                 "ln2": (w(p + "output.LayerNorm.weight"), w(p + "output.LayerNorm.bias")),
             })
 
     @classmethod
     def from_dir(cls, path: Path, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> "Encoder":
+                 device: torch.device | str = "cpu", pack: bool = True) -> "Encoder":
         """Load HF weights from safetensors only (never pickle)."""
         path = Path(path)
         cfg = EncoderConfig.from_dir(path)
@@ -175,7 +164,7 @@ class Encoder(torch.nn.Module):
                         k = k[len(pre):]
                         break
                 weights[k] = v
-        return cls(cfg, weights, dtype, device)
+        return cls(cfg, weights, dtype, device, pack)
 
     def num_parameters(self) -> int:
         n = self.word.numel() + self.pos.numel() + self.type0.numel() + 2 * self.cfg.hidden_size
@@ -260,5 +249,5 @@ def load_encoder(path: Path, precision: str, device: torch.device | str = "cpu")
         from ..precision import fast_bf16_available
         from .int8 import quantize_encoder
         act = torch.bfloat16 if fast_bf16_available(device) else torch.float32
-        return quantize_encoder(Encoder.from_dir(path, torch.float32, device), act)
+        return quantize_encoder(Encoder.from_dir(path, torch.float32, device, pack=False), act)
     return Encoder.from_dir(path, TORCH_DTYPES[precision], device)

@@ -3,8 +3,9 @@ KV cache. One forward takes the step's packed tokens of every scheduled sequence
 
     input_ids, positions: (T,)   ->  hidden (T, H)  ->  logits of the rows that sample
 
-Weights load from HF safetensors only. Attention goes through `attention_dispatch` (the Triton
-kernels on a GPU, a vectorized torch path on the CPU).
+Weights load from HF safetensors only; linears are packed for oneDNN where that runs
+(`linear`). Attention goes through `attention_dispatch` (the Triton kernels on a GPU, a
+vectorized torch path on the CPU).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from .attention_dispatch import AttentionMetadata, paged_attention, store_kv
+from .linear import Linear
 
 
 @dataclass(slots=True)
@@ -101,8 +103,9 @@ class LlamaModel:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")                               # (V, H)
-        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in weights \
-            else w("lm_head.weight")
+        self.tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
+        # the tied head packs its own copy of the embedding matrix (the lookup needs it row-major)
+        self.lm_head = Linear(self.embed if self.tied else w("lm_head.weight"))
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_hidden_layers):
@@ -111,13 +114,13 @@ class LlamaModel:
                 "in_norm": w(p + "input_layernorm.weight"),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
                 # q, k, v as one matmul; gate and up as one matmul
-                "wqkv": torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                   w(p + "self_attn.v_proj.weight")]),
-                "bqkv": torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                if p + "self_attn.q_proj.bias" in weights else None,
-                "wo": w(p + "self_attn.o_proj.weight"),
-                "wgu": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "wd": w(p + "mlp.down_proj.weight"),
+                "wqkv": Linear(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                          w(p + "self_attn.v_proj.weight")]),
+                               torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                               if p + "self_attn.q_proj.bias" in weights else None),
+                "wo": Linear(w(p + "self_attn.o_proj.weight")),
+                "wgu": Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                "wd": Linear(w(p + "mlp.down_proj.weight")),
             })
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
 
@@ -133,9 +136,9 @@ class LlamaModel:
         return cls(LlamaConfig.from_dir(path), weights, dtype, device)
 
     def num_parameters(self) -> int:
-        n = self.embed.numel() + self.norm.numel() + (0 if self.lm_head is self.embed else self.lm_head.numel())
+        n = self.embed.numel() + self.norm.numel() + (0 if self.tied else sum(t.numel() for t in self.lm_head.tensors()))
         for layer in self.layers:
-            n += sum(t.numel() for t in layer.values() if t is not None)
+            n += sum(t.numel() for v in layer.values() for t in (v.tensors() if isinstance(v, Linear) else (v,)))
         return n
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -162,19 +165,19 @@ class LlamaModel:
         T = x.shape[0]
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             h = self._rms(x, layer["in_norm"])
-            qkv = F.linear(h, layer["wqkv"], layer["bqkv"])                      # (T, (nh + 2 kvh) hd)
+            qkv = layer["wqkv"](h)                                               # (T, (nh + 2 kvh) hd)
             q = qkv[:, : nh * hd].view(T, nh, hd)
             k = qkv[:, nh * hd: (nh + kvh) * hd].view(T, kvh, hd)
             v = qkv[:, (nh + kvh) * hd:].view(T, kvh, hd)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             store_kv(k, v, kc, vc, meta.slot_mapping)
             o = paged_attention(q, kc, vc, meta, scale)                           # (T, nh, hd)
-            x = x + F.linear(o.reshape(T, nh * hd), layer["wo"])
+            x = x + layer["wo"](o.reshape(T, nh * hd))
             h = self._rms(x, layer["post_norm"])
-            gate, up = F.linear(h, layer["wgu"]).chunk(2, dim=-1)                 # (T, I) each
-            x = x + F.linear(F.silu(gate) * up, layer["wd"])
+            gate, up = layer["wgu"](h).chunk(2, dim=-1)                           # (T, I) each
+            x = x + layer["wd"](F.silu(gate) * up)
         return self._rms(x, self.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, H) -> (n, V) float32 logits."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,42 @@
+"""Packed (oneDNN) linears equal F.linear; the model falls back to F.linear where packing
+does not run or is switched off."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from embedserve.models import linear as linear_mod
+from embedserve.models.linear import Linear, packing_available
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 0.15)])
+@pytest.mark.parametrize("rows", [1, 16, 165])
+def test_packed_linear_equals_f_linear(dtype, tol, rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(3072, 576, generator=g).to(dtype), torch.randn(3072, generator=g).to(dtype)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    ref = F.linear(x.double(), w.double(), b.double())
+    lin = Linear(w.clone(), b)
+    why = packing_available(dtype, "cpu")
+    # packed exactly where the probe says it runs, and then the row-major copy is not kept
+    assert (lin.packed is not None) == (why is None) and (lin.weight is None) == (why is None)
+    out = lin(x)
+    assert out.dtype == dtype and out.shape == (rows, 3072)
+    # fp32: strict fp32 math (outputs ~25 in magnitude); bf16: bf16 rounding of the output
+    assert float((out.double() - ref).abs().max()) < tol * max(1.0, float(ref.abs().max()) / 25)
+    assert float((out.double() - F.linear(x, w, b).double()).abs().max()) < tol * 2
+
+
+def test_pack_false_keeps_the_weight_and_env_switches_packing_off(monkeypatch):
+    w = torch.randn(8, 16)
+    lin = Linear(w, pack=False)
+    assert lin.packed is None and lin.weight is w and lin.tensors() == (w,)
+    assert "CPU path" in packing_available(torch.float32, "cuda")
+    packing_available.cache_clear()
+    monkeypatch.setenv(linear_mod.ENV, "0")
+    try:
+        assert packing_available(torch.float32, "cpu") == f"{linear_mod.ENV}=0"
+        lin = Linear(w)
+        assert lin.packed is None and torch.equal(lin(torch.eye(16)), w.T)
+    finally:
+        packing_available.cache_clear()
