@@ -328,18 +328,24 @@ def bench_generation(runs: int, work: Path) -> dict:
 
 def bench_rag(tok, work: Path, runs: int) -> dict:
     """A 1,000-token shared system prompt + a 150-token document + a question, 16 output tokens,
-    one at a time: TTFT with our prefix caching on and off."""
+    one at a time: TTFT with our prefix caching on and off. Every request of every run has a
+    document of its own (the probe and warm-up included), so "on" measures the shared system
+    prompt cached and the document computed, never a whole prompt seen before."""
     rng = np.random.default_rng(3)
     words = "retrieval passage source cite answer question context history river city science".split()
     system = tok.decode(tok(" ".join(rng.choice(words, size=2000))).input_ids[:1000])
-    rows = [{"prompt": system + "\n\nDocument: " + tok.decode(tok(" ".join(rng.choice(words, size=300))).input_ids[:150])
-             + f"\n\nQuestion {i}: what does the document say?\nAnswer:", "output_len": 16} for i in range(8)]
-    data = _jsonl(rows, work / "rag.jsonl")
+    per_run = 8 + 2                                     # the probe, one warm-up, 8 measured
+    files = []
+    for r in range(runs):
+        rows = [{"prompt": system + "\n\nDocument: " + tok.decode(tok(" ".join(rng.choice(words, size=300))).input_ids[:150])
+                 + f"\n\nQuestion {r}.{i}: what does the document say?\nAnswer:", "output_len": 16}
+                for i in range(per_run)]
+        files.append(_jsonl(rows, work / f"rag-{r}.jsonl"))
     out = {}
     for label, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
         with ours("all-MiniLM-L6-v2", "bfloat16", generate=GEN_MODEL, extra=(flag,)) as base:
             rs = []
-            for _ in range(runs):
+            for data in files:
                 rs += drive("generate", base, GEN_MODEL, data, "--max-concurrency", "1", "--num-requests", "8",
                             "--warmup", "1", "--ignore-eos")
             out[label] = {"ttft_p50_ms": med([r["metrics"]["ttft_ms"]["p50"] for r in rs]),

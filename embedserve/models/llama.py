@@ -142,14 +142,16 @@ class LlamaModel:
         return n
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)).to(x.dtype) * w
+        # HF's order: normalize in float32, back to the model's dtype, then scale (one fused op for
+        # the normalization; bit-identical to x * rsqrt(mean(x^2) + eps) in float32)
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.cfg.rms_norm_eps).to(x.dtype) * w
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # HF's rotate-half convention: pairs (i, i + d/2)
-        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-        rot = torch.cat((-x2, x1), dim=-1)
-        return (x.float() * cos + rot.float() * sin).to(x.dtype)
+        """HF's rotate-half convention, pairs (i, i + d/2): x*cos + [-x2, x1]*sin, computed as
+        x*cos + [x2, x1]*sin_signed (sin with its first half negated: the same products)."""
+        xf = x.float()
+        half = x.shape[-1] // 2
+        return (xf * cos + torch.cat((xf[..., half:], xf[..., :half]), dim=-1) * sin).to(x.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -161,15 +163,16 @@ class LlamaModel:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]               # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]                   # (T, 1, hd)
+        sin[..., : hd // 2].neg_()                                                # sin_signed, see _rope
         x = self.embed[input_ids]                                                 # (T, H)
         T = x.shape[0]
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             h = self._rms(x, layer["in_norm"])
             qkv = layer["wqkv"](h)                                               # (T, (nh + 2 kvh) hd)
-            q = qkv[:, : nh * hd].view(T, nh, hd)
-            k = qkv[:, nh * hd: (nh + kvh) * hd].view(T, kvh, hd)
+            # RoPE on q and k in one pass (they are adjacent in qkv)
+            qk = self._rope(qkv[:, : (nh + kvh) * hd].view(T, nh + kvh, hd), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, (nh + kvh) * hd:].view(T, kvh, hd)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             store_kv(k, v, kc, vc, meta.slot_mapping)
             o = paged_attention(q, kc, vc, meta, scale)                           # (T, nh, hd)
             x = x + layer["wo"](o.reshape(T, nh * hd))
