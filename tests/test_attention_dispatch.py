@@ -1,15 +1,26 @@
 """The CPU serving path of paged attention equals kernels.reference on ragged, GQA batches
-that mix decodes and prefill chunks, with shuffled block tables."""
+that mix decodes and prefill chunks, with shuffled block tables: decodes through the C kernel
+(where it builds) and through the torch path, prefill chunks through SDPA."""
 
 import pytest
 import torch
 
+from embedserve.models import attention_dispatch
 from embedserve.models.attention_dispatch import AttentionMetadata, paged_attention, store_kv
-from kernels import reference
+from kernels import cpu_attention, reference
+
+
+@pytest.fixture(params=["c-kernel", "torch"])
+def decode_path(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(attention_dispatch, "_cpu_kernel_runs", lambda q, k: False)
+    elif cpu_attention.available() is not None:
+        pytest.skip(f"the C kernel does not build here: {cpu_attention.available()}")
+    return request.param
 
 
 @pytest.mark.parametrize("block_size,nh,kvh", [(16, 8, 2), (32, 4, 4), (16, 9, 3)])
-def test_cpu_path_equals_reference(block_size, nh, kvh):
+def test_cpu_path_equals_reference(block_size, nh, kvh, decode_path):
     g = torch.Generator().manual_seed(block_size + nh)
     hd, num_blocks = 64, 64
     kc = torch.randn(num_blocks, block_size, kvh, hd, generator=g)

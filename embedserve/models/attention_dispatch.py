@@ -1,9 +1,11 @@
 """Attention over the paged KV cache, as the decode model calls it.
 
-On a GPU this dispatches to the Triton kernels (`kernels.attention_backend()`); on a CPU it
-runs a vectorized torch path — one gather of each sequence's cached K/V blocks through its
-block table and one `scaled_dot_product_attention` for all decoding sequences (query heads of a
-KV head folded into the query rows), one per prefill chunk — that `tests/test_attention_dispatch.py` checks against `kernels.reference`.
+On a GPU this dispatches to the Triton kernels (`kernels.attention_backend()`). On a CPU the
+decoding sequences go to the C kernel `kernels.cpu_attention` where it builds (K/V read in
+place through the block table), else to one `scaled_dot_product_attention` over their K/V
+blocks gathered through the block tables (the query heads of a KV head folded into the query
+rows); each prefill chunk gets one SDPA. `tests/test_attention_dispatch.py` checks both paths
+against `kernels.reference`.
 
 The batch is ordered decodes first (one query token each), then prefill chunks:
 
@@ -12,10 +14,16 @@ The batch is ordered decodes first (one query token each), then prefill chunks:
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_attention
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -49,13 +57,14 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     vf.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _plan(meta: AttentionMetadata, block_size: int) -> dict:
-    """Block ids and masks shared by every layer of the step (keys padded to whole blocks)."""
+def _plan(meta: AttentionMetadata, block_size: int, decodes: bool) -> dict:
+    """Block ids and masks shared by every layer of the step (keys padded to whole blocks);
+    `decodes`: also those of the decoding sequences (the torch path)."""
     if meta.cache:
         return meta.cache
     dev = meta.block_tables.device
     D = meta.num_decodes
-    if D:
+    if D and decodes:
         nb = -(-max(meta.context_lens_list[:D]) // block_size)
         keys = torch.arange(nb * block_size, device=dev)
         meta.cache["decode"] = (_blocks(meta.block_tables[:D], nb),
@@ -96,6 +105,20 @@ def _gqa_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return o.view(B, kvh, g, ql, hd).permute(0, 3, 1, 2, 4).reshape(B, ql, nh, hd)
 
 
+@functools.cache
+def _cpu_kernel_available() -> bool:
+    why = cpu_attention.available()
+    if why is None:
+        logger.info("decode attention on the CPU: the C kernel (kernels/cpu_paged_attention.c)")
+    else:
+        logger.info("decode attention on the CPU: the torch path (%s)", why)
+    return why is None
+
+
+def _cpu_kernel_runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return _cpu_kernel_available() and cpu_attention.supports(q, k_cache)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q (T, nh, hd) -> (T, nh, hd), reading K/V of every sequence from the paged cache."""
@@ -107,9 +130,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return be.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                           meta.context_lens, scale)
     out = torch.empty_like(q)
-    plan = _plan(meta, k_cache.shape[1])
     D = meta.num_decodes
-    if D:
+    kernel = D and _cpu_kernel_runs(q, k_cache)
+    plan = _plan(meta, k_cache.shape[1], decodes=not kernel)
+    if kernel:
+        out[:D] = cpu_attention.paged_decode_attention(q[:D], k_cache, v_cache, meta.block_tables[:D],
+                                                       meta.context_lens[:D], scale)
+    elif D:
         blocks, mask = plan["decode"]
         out[:D] = _gqa_sdpa(q[:D, None], _gather(k_cache, blocks), _gather(v_cache, blocks), mask, scale)[:, 0]
     starts = plan["starts"]

@@ -1,0 +1,71 @@
+"""The C decode-attention kernel (kernels/cpu_attention.py) equals kernels.reference on ragged,
+GQA batches with shuffled block tables, in float32 and bfloat16; where it cannot build, it says
+why and the model keeps the torch path."""
+
+import pytest
+import torch
+
+from kernels import cpu_attention, reference
+
+WHY = cpu_attention.available()
+
+
+def _case(seed, nh, kvh, hd, block_size, lens, dtype):
+    g = torch.Generator().manual_seed(seed)
+    nmax = -(-max(lens) // block_size)
+    num_blocks = nmax * len(lens) + 3
+    kc = torch.randn(num_blocks, block_size, kvh, hd, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, block_size, kvh, hd, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(lens), nmax + 2), -1, dtype=torch.int32)      # padded past the blocks
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[i, :nb] = perm[i * nmax: i * nmax + nb].int()
+    q = torch.randn(len(lens), nh, hd, generator=g).to(dtype)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("nh,kvh,hd,block_size", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 48, 8), (16, 1, 64, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_reference(nh, kvh, hd, block_size, dtype):
+    # context 1 (one key), a block boundary exactly, ragged, and one past the kernel's stack buffer
+    lens = [1, block_size, 77, 3 * block_size + 5, 3000]
+    q, kc, vc, tables, ctx = _case(nh + hd, nh, kvh, hd, block_size, lens, dtype)
+    scale = hd ** -0.5
+    ours = cpu_attention.paged_decode_attention(q, kc, vc, tables, ctx, scale)
+    ref = reference.paged_decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, scale)
+    assert ours.dtype == dtype and ours.shape == q.shape
+    tol = 2e-5 if dtype == torch.float32 else 1e-2          # bf16: the output's own rounding
+    torch.testing.assert_close(ours.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+def test_kernel_reads_a_non_contiguous_query_and_refuses_what_it_cannot_run():
+    q, kc, vc, tables, ctx = _case(1, 9, 3, 64, 16, [20, 40], torch.float32)
+    wide = torch.cat([q, torch.zeros(2, 3, 64)], dim=1)[:, :9]            # the model's q is such a view
+    ref = reference.paged_decode_attention(q, kc, vc, tables, ctx, 0.125)
+    torch.testing.assert_close(cpu_attention.paged_decode_attention(wide, kc, vc, tables, ctx, 0.125), ref,
+                               rtol=2e-5, atol=2e-5)
+    assert not cpu_attention.supports(q.to(torch.float16), kc.to(torch.float16))
+    assert not cpu_attention.supports(q, kc.to(torch.bfloat16))            # q and cache dtypes differ
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_attention.paged_decode_attention(q.to(torch.float16), kc.to(torch.float16), vc.to(torch.float16),
+                                             tables, ctx, 0.125)
+
+
+def test_switched_off_or_missing_compiler_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("EMBEDSERVE_HOME", str(tmp_path))
+    cpu_attention._library.cache_clear()
+    try:
+        monkeypatch.setenv(cpu_attention.ENV, "torch")
+        assert cpu_attention.available() == f"{cpu_attention.ENV}=torch"
+        cpu_attention._library.cache_clear()
+        monkeypatch.setenv(cpu_attention.ENV, "auto")
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+        why = cpu_attention.available()
+        assert why is not None and "compiling cpu_paged_attention.c failed" in why
+        with pytest.raises(RuntimeError, match="not available"):
+            cpu_attention.paged_decode_attention(*_case(0, 4, 2, 64, 16, [5], torch.float32), 0.125)
+    finally:
+        cpu_attention._library.cache_clear()
