@@ -14,6 +14,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/embedserve/src
 
+# A C compiler: the CPU decode-attention kernel (kernels/cpu_paged_attention.c) and the int8
+# encoder path (torch inductor) compile at first use for the CPU they run on (-march=native), so
+# not at image build time. Without it both fall back to slower torch paths. Debian's security
+# updates move these versions, so they are not pinned.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, pinned, CPU build (a bare `torch` pulls a CUDA build of several GB)
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 

@@ -51,9 +51,32 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build_dir() -> Path:
+def _build_dirs() -> list[Path]:
+    """$EMBEDSERVE_HOME/kernels, then a per-user temp folder (a read-only home, as in the image)."""
     home = os.environ.get("EMBEDSERVE_HOME") or Path.home() / ".cache" / "embedserve"
-    return Path(home) / "kernels"
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return [Path(home) / "kernels", Path(tempfile.gettempdir()) / f"embedserve-kernels-{uid}"]
+
+
+def _build(cc: str, target: Path) -> str | None:
+    """Compile the library to `target` (atomically); None, or why it failed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", tmp + ".o"], [cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                return f"compiling {SOURCE.name} failed: {proc.stderr.strip().splitlines()[-1:]}"
+        os.replace(tmp, target)            # atomic: a concurrent build lands the same file
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"compiling {SOURCE.name} failed: {exc}"
+    finally:
+        for leftover in (tmp, tmp + ".o"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    logger.info("built %s", target)
+    return None
 
 
 @functools.cache
@@ -66,24 +89,20 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "no C compiler (cc/gcc) on PATH"
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((cc,) + CFLAGS + LDFLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
-    target = _build_dir() / f"cpu_paged_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
+    why = None
+    for folder in _build_dirs():
+        target = folder / f"cpu_paged_attention-{key}.so"
+        if target.exists():
+            why = None
+            break
         try:
-            for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", tmp + ".o"], [cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"]):
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-                if proc.returncode != 0:
-                    return None, f"compiling {SOURCE.name} failed: {proc.stderr.strip().splitlines()[-1:]}"
-            os.replace(tmp, target)            # atomic: a concurrent build lands the same file
-        except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"compiling {SOURCE.name} failed: {exc}"
-        finally:
-            for leftover in (tmp, tmp + ".o"):
-                if os.path.exists(leftover):
-                    os.unlink(leftover)
-        logger.info("built %s", target)
+            why = _build(cc, target)
+        except OSError as exc:                 # this folder is not writable: try the next
+            why = f"cannot write {folder}: {exc.strerror or exc}"
+            continue
+        break
+    if why is not None:
+        return None, why
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:

@@ -69,3 +69,23 @@ def test_switched_off_or_missing_compiler_says_why(monkeypatch, tmp_path):
             cpu_attention.paged_decode_attention(*_case(0, 4, 2, 64, 16, [5], torch.float32), 0.125)
     finally:
         cpu_attention._library.cache_clear()
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+def test_read_only_home_builds_into_a_temp_folder(monkeypatch, tmp_path):
+    """The container's home is read-only: the library goes to a per-user temp folder instead."""
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")                                    # mkdir under it fails
+    monkeypatch.setenv("EMBEDSERVE_HOME", str(home))
+    monkeypatch.setattr(cpu_attention.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    cpu_attention._library.cache_clear()
+    try:
+        assert cpu_attention.available() is None
+        built = list((tmp_path / "tmp").glob("embedserve-kernels-*/cpu_paged_attention-*.so"))
+        assert len(built) == 1
+        q, kc, vc, tables, ctx = _case(2, 4, 2, 64, 16, [9, 33], torch.float32)
+        torch.testing.assert_close(cpu_attention.paged_decode_attention(q, kc, vc, tables, ctx, 0.125),
+                                   reference.paged_decode_attention(q, kc, vc, tables, ctx, 0.125),
+                                   rtol=2e-5, atol=2e-5)
+    finally:
+        cpu_attention._library.cache_clear()
