@@ -40,3 +40,20 @@ def test_pack_false_keeps_the_weight_and_env_switches_packing_off(monkeypatch):
         assert lin.packed is None and torch.equal(lin(torch.eye(16)), w.T)
     finally:
         packing_available.cache_clear()
+
+
+@pytest.mark.parametrize("act,fn", [("gelu", F.gelu), ("gelu_tanh", lambda y: F.gelu(y, approximate="tanh")),
+                                    ("relu", F.relu)])
+@pytest.mark.parametrize("pack", [True, False])
+def test_fused_activation_equals_activation_after_the_linear(act, fn, pack):
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(1536, 384, generator=g) * 0.05, torch.randn(1536, generator=g)
+    x = torch.randn(33, 384, generator=g)
+    ref = fn(F.linear(x.double(), w.double(), b.double()))
+    out = Linear(w.clone(), b, pack=pack, act=act)(x)
+    assert float((out.double() - ref).abs().max()) < 1e-4
+
+
+def test_unknown_activation_is_refused():
+    with pytest.raises(ValueError, match="activation 'swish'"):
+        Linear(torch.randn(4, 4), act="swish")

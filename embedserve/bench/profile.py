@@ -1,7 +1,15 @@
-"""Where the time of one decode step goes, by component (issue 14's profile).
+"""Where the time of one decode step, or of one embedding batch, goes, by component.
 
     python -m embedserve.bench.profile decode --batch 16 --out embedserve/bench/results/profile_decode.json
+    python -m embedserve.bench.profile embed --model all-MiniLM-L6-v2 --out embedserve/bench/results/profile_embed.json
 
+`embed`: one batch of `--texts` texts from the make-bench corpus (English and Chinese, mixed
+lengths) through the path a request takes: tokenize, pack (sort, attention plan, tensors), the
+encoder forward by aten op family (as for decode), pooling and normalization, and the JSON
+body (`encoding_format` float and base64), each timed on its own (medians of `--repeats`),
+the forward also under the profiler.
+
+`decode`:
 Runs our engine in process on SmolLM2-135M-Instruct (`--dtype`, default the precision `auto`
 picks here), `--batch` prompts of `--prompt-len` tokens decoding `--steps` tokens each with
 `ignore_eos`, after a warm-up. The steady decode steps (prefill excluded) run under
@@ -30,19 +38,21 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # aten op -> component, first match wins (names as the profiler reports them)
 FAMILIES = (
     ("matmul", ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear",
-                "mkldnn", "onednn", "aten::_weight_int8pack_mm")),
+                "mkldnn", "onednn", "aten::_weight_int8pack_mm", "aten::_int_mm", "CompiledFunction",
+                "Torch-Compiled Region")),
     ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
     ("K/V gather", ("aten::index", "aten::gather", "aten::index_select")),
     ("K/V store", ("aten::index_copy", "aten::index_put")),
     ("dtype conversion", ("aten::to", "aten::_to_copy", "aten::copy_")),
     ("activation", ("aten::silu", "aten::gelu", "aten::sigmoid")),
     ("norm", ("aten::rsqrt", "aten::pow", "aten::mean", "aten::layer_norm", "aten::native_layer_norm",
-              "aten::rms_norm")),
+              "aten::rms_norm", "aten::_fused_rms_norm")),
     ("elementwise", ("aten::mul", "aten::add", "aten::cat", "aten::neg", "aten::cos", "aten::sin",
                      "aten::sub", "aten::div", "aten::where", "aten::lt", "aten::le", "aten::masked_fill")),
 )
@@ -81,6 +91,8 @@ def _instrument(eng) -> list:
     _wrap(runner, "run", "es::run", patches)
     # postprocess: everything in step() after the sample
     _wrap(eng, "_emit", "es::emit", patches)
+    from kernels import cpu_attention
+    _wrap(cpu_attention, "paged_decode_attention", "es::cpu_attention", patches)   # not an aten op
     return patches
 
 
@@ -144,26 +156,9 @@ def profile_decode(dtype: str, batch: int, prompt_len: int, steps: int, warm: in
     for e in events:
         if e.name.startswith("es::"):
             label_ms[e.name] += (e.time_range.end - e.time_range.start) / 1e3 / n
-    # self time of aten ops inside the forward, by family
-    fam_ms: dict[str, float] = defaultdict(float)
-    op_ms: dict[str, float] = defaultdict(float)
-    op_calls: dict[str, int] = defaultdict(int)
-    fwd_ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == "es::forward"]
-    fwd_ranges.sort()
-    import bisect
-    starts = [r[0] for r in fwd_ranges]
-
-    def in_forward(t0: int) -> bool:
-        i = bisect.bisect_right(starts, t0) - 1
-        return i >= 0 and fwd_ranges[i][0] <= t0 <= fwd_ranges[i][1]
-
-    for e in events:
-        if e.name.startswith("es::") or not in_forward(e.time_range.start):
-            continue
-        ms = e.self_cpu_time_total / 1e3 / n
-        fam_ms[family(e.name)] += ms
-        op_ms[e.name] += ms
-        op_calls[e.name] += 1
+    fam_ms, op_ms, op_calls = _ops_by_family(events, "es::forward", n)
+    if label_ms["es::cpu_attention"]:
+        fam_ms["attention (C kernel)"] = label_ms["es::cpu_attention"]
     step_ms = statistics.median(walls) * 1e3
     plain_ms = statistics.median(plain) * 1e3
     fwd = label_ms["es::forward"]
@@ -192,6 +187,108 @@ def profile_decode(dtype: str, batch: int, prompt_len: int, steps: int, warm: in
     }
 
 
+def _ops_by_family(events, label: str, n: int) -> tuple[dict, dict, dict]:
+    """Self time (ms per run) of the aten ops inside `label`'s ranges, by family and by op."""
+    import bisect
+
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == label)
+    starts = [r[0] for r in ranges]
+    fam_ms: dict[str, float] = defaultdict(float)
+    op_ms: dict[str, float] = defaultdict(float)
+    op_calls: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.name.startswith("es::"):
+            continue
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        if i < 0 or not ranges[i][0] <= e.time_range.start <= ranges[i][1]:
+            continue
+        ms = e.self_cpu_time_total / 1e3 / n
+        fam_ms[family(e.name)] += ms
+        op_ms[e.name] += ms
+        op_calls[e.name] += 1
+    return fam_ms, op_ms, op_calls
+
+
+def profile_embed(model_name: str, dtype: str, num_texts: int, repeats: int = 5) -> dict:
+    from embedserve.api.embeddings import EmbeddingRequest, _render
+    from embedserve.bench.compare import corpus
+    from embedserve.engine.batch_queue import EmbedRequest
+    from embedserve.models.embedding_model import EmbeddingModel
+    from embedserve.models.encoder import AttentionPlan
+    from embedserve.models.registry import resolve_model
+    from embedserve.precision import cpu_flags
+
+    name, path = resolve_model(model_name)
+    model = EmbeddingModel(path, name=name, dtype=dtype)
+    texts = corpus(num_texts, seed=11)
+    want = {"dense"}
+
+    def timed(fn, *a):
+        times, out = [], None
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            out = fn(*a)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:]) * 1e3, out
+
+    tok_ms, ids = timed(model.tokenize, texts)
+    ids = [model.truncate(x) for x in ids]
+
+    def pack(batch):
+        order = sorted(range(len(batch)), key=lambda i: -len(batch[i]))
+        lengths = [len(batch[i]) for i in order]
+        plan = AttentionPlan.build(lengths)
+        flat = torch.tensor([t for i in order for t in batch[i]], dtype=torch.long)
+        pos = torch.cat([torch.arange(L) for L in lengths])
+        return flat, pos, plan, lengths
+
+    pack_ms, (flat, pos, plan, lengths) = timed(pack, ids)
+    with torch.inference_mode():
+        fwd_ms, h = timed(model.encoder, flat, pos, plan)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        pool_ms, _ = timed(model._pool, h, lengths, starts)
+        embed_ms, (outs, computed) = timed(model.embed, ids, want)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(repeats):
+                with torch.profiler.record_function("es::forward"):
+                    model.encoder(flat, pos, plan)
+    fam_ms, op_ms, op_calls = _ops_by_family(prof.events(), "es::forward", repeats)
+    fam_ms["Python and dispatch (forward wall − op self time)"] = max(fwd_ms - sum(fam_ms.values()), 0.0)
+    req = EmbedRequest(inputs=ids, want=frozenset(want), on_done=lambda r: None)
+    req.outputs, req.num_tokens = outs, sum(lengths)
+    json_float_ms, body = timed(_render, req, EmbeddingRequest(input=texts), name, [])
+    json_b64_ms, body64 = timed(_render, req, EmbeddingRequest(input=texts, encoding_format="base64"), name, [])
+    tokens = sum(lengths)
+    phases = {"tokenize": tok_ms, "pack (sort, attention plan, tensors)": pack_ms, "forward": fwd_ms,
+              "pooling + normalize": pool_ms,
+              "JSON body, encoding_format=float": json_float_ms, "JSON body, encoding_format=base64": json_b64_ms}
+    top = sorted(op_ms.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "what": f"embedding batch, {num_texts} texts, {tokens} tokens ({computed} computed with attention padding)",
+        "model": name, "dtype": model.precision, "threads": torch.get_num_threads(),
+        "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2"))),
+        "tokens": tokens, "forward_tokens_per_s": tokens / (fwd_ms / 1e3),
+        "model_embed_ms": embed_ms, "body_bytes": {"float": len(body), "base64": len(body64)},
+        "phases_ms": phases, "forward_ms": fam_ms,
+        "top_ops_ms": [{"op": k, "ms": v, "calls_per_step": op_calls[k] / repeats} for k, v in top],
+    }
+
+
+def render_embed(res: dict) -> str:
+    total = sum(v for k, v in res["phases_ms"].items() if "base64" not in k)
+    lines = [f"**{res['what']}**, {res['model']} {res['dtype']}, {res['threads']} threads: forward "
+             f"{res['forward_tokens_per_s']:,.0f} tokens/s; the request path (float JSON) {total:.1f} ms.", "",
+             "| phase | ms | share |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.2f} | {100 * v / total:.0f}% |" for k, v in res["phases_ms"].items()]
+    fwd = res["phases_ms"]["forward"]
+    lines += ["", "| inside forward | ms | share of forward |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.2f} | {100 * v / fwd:.0f}% |"
+              for k, v in sorted(res["forward_ms"].items(), key=lambda kv: -kv[1])]
+    lines += ["", "| top ops (self time) | ms | calls |", "|---|---|---|"]
+    lines += [f"| `{o['op']}` | {o['ms']:.2f} | {o['calls_per_step']:.0f} |" for o in res["top_ops_ms"]]
+    return "\n".join(lines) + "\n"
+
+
 def render(res: dict) -> str:
     step = res["step_ms_profiled"]
     lines = [f"**{res['what']}**, {res['model']} {res['dtype']}, {res['threads']} threads: "
@@ -210,15 +307,24 @@ def render(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m embedserve.bench.profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("decode",))
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("what", choices=("decode", "embed"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
+                    help="int8: embed only (the decoder has no int8 path)")
+    ap.add_argument("--model", default="all-MiniLM-L6-v2", help="embed: the embedding model")
+    ap.add_argument("--texts", type=int, default=64, help="embed: texts in the batch")
+    ap.add_argument("--batch", type=int, default=16, help="decode: sequences in the batch")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    res = profile_decode(args.dtype, args.batch, args.prompt_len, args.steps)
-    text = render(res)
+    if args.what == "embed":
+        res = profile_embed(args.model, args.dtype, args.texts)
+        text = render_embed(res)
+    else:
+        if args.dtype == "int8":
+            ap.error("--dtype int8 applies to embed only")
+        res = profile_decode(args.dtype, args.batch, args.prompt_len, args.steps)
+        text = render(res)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

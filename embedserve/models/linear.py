@@ -58,25 +58,40 @@ def packing_available(dtype: torch.dtype, device_type: str = "cpu") -> str | Non
     return None
 
 
+# activation applied to the output: (oneDNN post-op, its algorithm, the plain-torch function)
+ACTIVATIONS = {
+    None: ("none", "", None),
+    "gelu": ("gelu", "none", F.gelu),                                        # erf, as HF's "gelu"
+    "gelu_tanh": ("gelu", "tanh", lambda y: F.gelu(y, approximate="tanh")),
+    "relu": ("relu", "", F.relu),
+}
+
+
 class Linear:
-    """One linear layer: packed for oneDNN where that runs, plain `F.linear` otherwise.
+    """One linear layer: packed for oneDNN where that runs, plain `F.linear` otherwise; `act`
+    (a key of ACTIVATIONS) is fused into the packed matmul as a post-op.
 
     `weight` (N, K) is the original while `pack=False` (the int8 path quantizes from it) and
     None once packed; `bias` (N,) or None."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "act")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
-        self.weight, self.bias, self.packed = weight, bias, None
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
+                 act: str | None = None):
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation {act!r} is not one of {sorted(k for k in ACTIVATIONS if k)}")
+        self.weight, self.bias, self.packed, self.act = weight, bias, None, act
         if pack and packing_available(weight.dtype, weight.device.type) is None:
             with torch.inference_mode():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
             self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        post, algorithm, fn = ACTIVATIONS[self.act]
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post, [], algorithm)
+        y = F.linear(x, self.weight, self.bias)
+        return y if fn is None else fn(y)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.weight if self.packed is None else self.packed, self.bias) if t is not None)
