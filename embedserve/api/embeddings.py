@@ -8,10 +8,10 @@ offending index and says what to change instead of listing four union branches.
 from __future__ import annotations
 
 import base64
-import json
 from typing import Any, Literal
 
 import numpy as np
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -153,21 +153,24 @@ async def _token_inputs(state: AppState, engine, body: EmbeddingRequest) -> list
 
 
 def _render(req: EmbedRequest, body: EmbeddingRequest, name: str, truncated: list[int]) -> bytes:
+    """The response body. orjson writes the numpy arrays directly (float32 values in their
+    shortest round-trip form), ~10x faster than `tolist()` + `json.dumps` for float vectors."""
     data = []
     b64 = body.encoding_format == "base64"
     for i, out in enumerate(req.outputs):
         item: dict = {"object": "embedding", "index": i}
         if out.dense is not None:
-            v = out.dense.astype("<f4", copy=False)
-            item["embedding"] = base64.b64encode(v.tobytes()).decode("ascii") if b64 else v.tolist()
+            v = np.ascontiguousarray(out.dense, dtype="<f4")
+            item["embedding"] = base64.b64encode(v.tobytes()).decode("ascii") if b64 else v
         if out.sparse is not None:
             ids, w = out.sparse
-            item["sparse_embedding"] = {"indices": ids.tolist(), "values": w.tolist()}
+            item["sparse_embedding"] = {"indices": np.ascontiguousarray(ids, dtype=np.int64),
+                                        "values": np.ascontiguousarray(w, dtype=np.float32)}
         if out.colbert is not None:
-            item["colbert_embedding"] = out.colbert.astype(np.float32, copy=False).tolist()
+            item["colbert_embedding"] = np.ascontiguousarray(out.colbert, dtype=np.float32)
         data.append(item)
     usage = {"prompt_tokens": req.num_tokens, "total_tokens": req.num_tokens}
     if truncated:
         usage["truncated_inputs"] = truncated
-    return json.dumps({"object": "list", "data": data, "model": name, "usage": usage},
-                      separators=(",", ":")).encode()
+    return orjson.dumps({"object": "list", "data": data, "model": name, "usage": usage},
+                        option=orjson.OPT_SERIALIZE_NUMPY)
