@@ -120,8 +120,13 @@ class ProbeResult:
         return best
 
 
+# Bumped when the compute paths change speed (v2: oneDNN-packed linears, fused GELU, fp32
+# attention for bf16): a probe cached by an older version would pick by stale speeds.
+PROBE_VERSION = 2
+
+
 def _cache_path(fingerprint: str, device) -> Path:
-    return embedserve_home() / "precision" / f"{fingerprint[:24]}-{machine_key(device)}.json"
+    return embedserve_home() / "precision" / f"{fingerprint[:24]}-{machine_key(device)}-v{PROBE_VERSION}.json"
 
 
 def cached_probe(fingerprint: str, device) -> ProbeResult | None:
