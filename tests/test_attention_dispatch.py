@@ -26,13 +26,14 @@ def test_cpu_path_equals_reference(block_size, nh, kvh, decode_path):
     kc = torch.randn(num_blocks, block_size, kvh, hd, generator=g)
     vc = torch.randn(num_blocks, block_size, kvh, hd, generator=g)
     # (context length after this step, new tokens this step): decodes first, then chunks
-    seqs = [(1, 1), (block_size * 2, 1), (77, 1), (50, 50), (block_size * 3, block_size), (90, 13)]
+    # ... and one chunk past 256 tokens (SDPA with enable_gqa instead of folded query heads)
+    seqs = [(1, 1), (block_size * 2, 1), (77, 1), (50, 50), (block_size * 3, block_size), (90, 13), (300, 290)]
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, slots, cu = [], [], [0]
     for n, ql in seqs:
         nb = -(-n // block_size)
         t, perm = perm[:nb], perm[nb:]
-        tables.append(t + [-1] * (8 - nb))
+        tables.append(t + [-1] * (20 - nb))
         slots += [t[p // block_size] * block_size + p % block_size for p in range(n - ql, n)]
         cu.append(cu[-1] + ql)
     T = cu[-1]
