@@ -201,6 +201,59 @@ def st_offline(path: Path, dtype: str, texts: list[str], runs: int) -> dict:
     return {"texts_per_s": len(texts) / med(times)}
 
 
+def encoder_in_process(path: Path, name: str, dtype: str, texts: list[str], runs: int) -> dict:
+    """Encoder alone, in process, same texts and precision: ours (length-sorted batches under a
+    4,096-token budget, as the server forms them) vs Hugging Face transformers' AutoModel
+    (length-sorted batches of 32, padded per batch, SDPA). Tokens/s of real tokens."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from embedserve.models.embedding_model import EmbeddingModel
+    ours_model = EmbeddingModel(path, name=name, dtype=dtype)
+    ids = [ours_model.truncate(x) for x in ours_model.tokenize(texts)]
+    tokens = sum(len(x) for x in ids)
+    order = sorted(ids, key=len, reverse=True)
+    batches, cur, used = [], [], 0
+    for x in order:
+        if cur and used + len(x) > 4096:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(x)
+        used += len(x)
+    batches.append(cur)
+
+    def run_ours():
+        for b in batches:
+            ours_model.embed(b, {"dense"})
+
+    tdtype = torch.bfloat16 if ours_model.precision in ("bfloat16", "int8") and dtype != "float32" else torch.float32
+    tok = AutoTokenizer.from_pretrained(str(path))
+    hf = AutoModel.from_pretrained(str(path), dtype=tdtype, attn_implementation="sdpa").eval()
+    sorted_texts = [texts[i] for i in sorted(range(len(texts)), key=lambda i: -len(ids[i]))]
+    enc = [tok(sorted_texts[i:i + 32], padding=True, truncation=True, max_length=512, return_tensors="pt")
+           for i in range(0, len(texts), 32)]
+
+    def run_hf():
+        with torch.inference_mode():
+            for e in enc:
+                hf(**e)
+
+    out = {}
+    for label, fn in (("ours", run_ours), ("transformers", run_hf)):
+        fn()                                                      # warm-up
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[label] = {"tokens_per_s": tokens / med(times)}
+    out["precision"] = {"ours": ours_model.precision, "transformers": str(tdtype).removeprefix("torch.")}
+    out["ratio"] = out["ours"]["tokens_per_s"] / out["transformers"]["tokens_per_s"]
+    log(f"  in process {out['precision']}: ours {out['ours']['tokens_per_s']:.0f} tokens/s, transformers "
+        f"{out['transformers']['tokens_per_s']:.0f} ({out['ratio']:.2f}x)")
+    return out
+
+
 def bench_embeddings(runs: int, work: Path) -> dict:
     from embedserve.models.registry import resolve_model
     texts = corpus(768)
@@ -208,7 +261,7 @@ def bench_embeddings(runs: int, work: Path) -> dict:
     result = {}
     for model in EMBED_MODELS:
         name, path = resolve_model(model)
-        res: dict = {"ours": {}, "infinity": {}, "sentence_transformers": {}, "sweep": {}}
+        res: dict = {"ours": {}, "infinity": {}, "sentence_transformers": {}, "sweep": {}, "in_process": {}}
         for dtype in ("float32", "auto"):
             with ours(model, dtype) as base:
                 resolved = httpx.get(base + "/v1/models").json()["data"][0]["dtype"]
@@ -232,6 +285,8 @@ def bench_embeddings(runs: int, work: Path) -> dict:
             key = "float32" if dtype == "float32" else "best (bfloat16)"
             res["sentence_transformers"][key] = st_offline(path, dtype, texts[:384], runs)
             log(f"  sentence-transformers {dtype}: {res['sentence_transformers'][key]['texts_per_s']:.0f} texts/s")
+        for dtype in ("float32", "auto"):
+            res["in_process"][dtype] = encoder_in_process(path, name, dtype, texts[:384], runs)
         result[model] = res
     return result
 
@@ -470,6 +525,15 @@ def markdown(res: dict) -> str:
                       + "; fp32 each: " + ", ".join(
                           f"{label} {_x(r['ours']['float32'][label]['texts_per_s'], r['infinity']['float32'][label]['texts_per_s'])}"
                           for label, *_ in EMBED_WORKLOADS) + "."]
+        for dtype, ip in r.get("in_process", {}).items():
+            served = r["ours"]["float32" if dtype == "float32" else
+                               next(k for k in r["ours"] if k.startswith("best"))]["32 texts/request, 8 clients"]
+            lines += ["", f"In process, {ip['precision']['ours']} (transformers {ip['precision']['transformers']}), "
+                      f"the same texts: ours {ip['ours']['tokens_per_s']:.0f} tokens/s (4,096-token batches) vs "
+                      f"transformers {ip['transformers']['tokens_per_s']:.0f} (sorted batches of 32) = "
+                      f"{_x(ip['ours']['tokens_per_s'], ip['transformers']['tokens_per_s'])}; our server at 32 texts/request "
+                      f"× 8 clients reaches {served['tokens_per_s']:.0f} tokens/s = "
+                      f"{100 * served['tokens_per_s'] / ip['ours']['tokens_per_s']:.0f} % of in process."]
         lines.append("")
         for system, pts in r["sweep"].items():
             lines.append(f"Poisson sweep, {system} (best precision): " + "; ".join(
