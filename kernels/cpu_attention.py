@@ -1,5 +1,6 @@
-"""Paged decode attention on the CPU from a small C kernel (`cpu_paged_attention.c`), compiled
-at first use with the machine's C compiler and called through ctypes.
+"""Attention on the CPU from small C kernels (`cpu_paged_attention.c`), compiled at first use
+with the machine's C compiler and called through ctypes: paged decode attention for the decoder,
+and `varlen_attention` for the encoder (packed sequences, no padding).
 
 Why: the torch path gathers each sequence's K/V blocks into a copy and runs SDPA, whose CPU
 kernel spends most of a one-token query on setup. Profile of one 16-sequence SmolLM2 decode
@@ -37,6 +38,8 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 # zero for the whole process. The kernel's values stay finite (no inf/NaN logic relies on IEEE).
 CFLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp", "-ffast-math")
 LDFLAGS = ("-shared", "-fopenmp")
+_VARLEN_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                ctypes.c_float, ctypes.c_int]
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_float, ctypes.c_int]
@@ -110,6 +113,9 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+    for name in ("varlen_attention_f32", "varlen_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _VARLEN_ARGS, ctypes.c_int
     return lib, None
 
 
@@ -148,4 +154,35 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                        k_cache.shape[1], float(scale), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"cpu paged attention failed (code {rc})")
+    return out
+
+
+def varlen_supports(qkv: torch.Tensor, num_heads: int) -> bool:
+    """The encoder shapes the varlen kernel takes: head_dim a multiple of 16, at most 64."""
+    three_h = qkv.shape[-1]
+    hd = three_h // (3 * num_heads)
+    return (qkv.device.type == "cpu" and qkv.dtype in _FUNCS and qkv.dim() == 2 and 3 * num_heads * hd == three_h
+            and hd % 16 == 0 and hd <= 64)
+
+
+def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    """Bidirectional attention of packed sequences (an encoder's): qkv [T, 3 * nh * hd] (each
+    token's q | k | v), sequence b = rows cu_seqlens[b]:cu_seqlens[b + 1] -> [T, nh * hd]. No
+    padding and no mask: each sequence attends to its own tokens only."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the CPU attention kernel is not available: {why}")
+    if not varlen_supports(qkv, num_heads):
+        raise ValueError("cpu varlen attention: qkv must be a float32 or bfloat16 CPU tensor [T, 3 * nh * hd] "
+                         "with head_dim a multiple of 16, at most 64")
+    T, three_h = qkv.shape
+    hd = three_h // (3 * num_heads)
+    qkv = qkv.contiguous()
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    out = torch.empty(T, num_heads * hd, dtype=qkv.dtype)
+    name = "varlen_attention_f32" if qkv.dtype == torch.float32 else "varlen_attention_bf16"
+    rc = getattr(lib, name)(qkv.data_ptr(), out.data_ptr(), cu.data_ptr(), cu.numel() - 1, num_heads, hd,
+                            float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"cpu varlen attention failed (code {rc})")
     return out

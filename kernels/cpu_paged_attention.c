@@ -1,4 +1,7 @@
-/* Paged decode attention for the CPU: one query token per sequence reads its K/V straight from
+/* CPU attention kernels: paged decode attention, and encoder attention over packed sequences
+ * (at the end of the file).
+ *
+ * Paged decode attention: one query token per sequence reads its K/V straight from
  * the paged cache through its block table (no gather copy), all query heads of a KV head at
  * once (each K/V row is loaded once for the g heads that share it), float32 accumulation.
  *
@@ -135,3 +138,93 @@ DEFINE_ATTEND(attend_f32, float, load_f32, store_f32)
 DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16, store_bf16)
 DEFINE_KERNEL(paged_decode_attention_f32, attend_f32, float)
 DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, uint16_t)
+
+/* ---------------------------------------------------------------------------------------------
+ * Encoder attention over packed sequences (no padding, no mask): qkv [T, 3 * nh * hd] holds each
+ * token's q | k | v, sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]; out [T, nh * hd];
+ * hd a multiple of 16, at most 64. Per (sequence, head): K transposed to [hd, L] in float32, then
+ * register-blocked: 4 query rows x 16 keys of scores per pass over hd (one K load feeds 4 FMAs,
+ * no horizontal sums), softmax, and the values summed into 4 rows x hd accumulators. GCC vector
+ * extensions (16 floats), so it builds on AVX2-only CPUs as well.
+ */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#define R 4
+
+#define DEFINE_HEAD(NAME, T, LOAD, STORE)                                                             \
+static inline __attribute__((always_inline)) void NAME(const T *qkv, T *out, int64_t start, int64_t L, \
+        int64_t h, int64_t nh, const int64_t HD, float scale, float *buf) {                          \
+    const int64_t H = nh * HD, row = 3 * H, Lp = (L + 15) / 16 * 16, NV = HD / 16;                  \
+    float *kt = buf, *v = kt + HD * Lp, *s = v + L * HD;                                            \
+    float tmp[64];                                                                                  \
+    for (int64_t j = 0; j < L; j++) {                                                               \
+        LOAD(qkv + (start + j) * row + H + h * HD, tmp, HD);                                        \
+        for (int64_t d = 0; d < HD; d++) kt[d * Lp + j] = tmp[d];                                   \
+        LOAD(qkv + (start + j) * row + 2 * H + h * HD, v + j * HD, HD);                             \
+    }                                                                                               \
+    for (int64_t j = L; j < Lp; j++) for (int64_t d = 0; d < HD; d++) kt[d * Lp + j] = 0.f;         \
+    for (int64_t i0 = 0; i0 < L; i0 += R) {                                                         \
+        const int64_t nr = L - i0 < R ? L - i0 : R;                                                 \
+        float q[R][64];                                                                             \
+        for (int64_t r = 0; r < R; r++) {                                                           \
+            if (r < nr) { LOAD(qkv + (start + i0 + r) * row + h * HD, q[r], HD);                    \
+                          for (int64_t d = 0; d < HD; d++) q[r][d] *= scale; }                      \
+            else memset(q[r], 0, sizeof(q[r]));                                                     \
+        }                                                                                           \
+        for (int64_t c = 0; c < Lp; c += 16) {                    /* scores, 4 rows x 16 keys */   \
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                             \
+            for (int64_t d = 0; d < HD; d++) {                                                      \
+                const v16 kv = *(const v16 *)(kt + d * Lp + c);                                     \
+                a0 += q[0][d] * kv; a1 += q[1][d] * kv; a2 += q[2][d] * kv; a3 += q[3][d] * kv;     \
+            }                                                                                       \
+            *(v16 *)(s + 0 * Lp + c) = a0; *(v16 *)(s + 1 * Lp + c) = a1;                           \
+            *(v16 *)(s + 2 * Lp + c) = a2; *(v16 *)(s + 3 * Lp + c) = a3;                           \
+        }                                                                                           \
+        float inv[R];                                                                               \
+        for (int64_t r = 0; r < R; r++) {                         /* softmax over the L real keys */ \
+            float *sr = s + r * Lp, m = -FLT_MAX, z = 0.f;                                          \
+            for (int64_t j = 0; j < L; j++) m = sr[j] > m ? sr[j] : m;                              \
+            for (int64_t j = 0; j < L; j++) { sr[j] = expf(sr[j] - m); z += sr[j]; }                \
+            inv[r] = 1.f / z;                                                                       \
+        }                                                                                           \
+        v16 o[R][4];                                              /* values: 4 rows x HD */        \
+        for (int64_t r = 0; r < R; r++) for (int64_t k = 0; k < 4; k++) o[r][k] = (v16){0};         \
+        for (int64_t j = 0; j < L; j++) {                                                           \
+            const float *vj = v + j * HD;                                                           \
+            for (int64_t k = 0; k < NV; k++) {                                                      \
+                const v16 vv = *(const v16 *)(vj + 16 * k);                                         \
+                for (int64_t r = 0; r < R; r++) o[r][k] += s[r * Lp + j] * vv;                      \
+            }                                                                                       \
+        }                                                                                           \
+        for (int64_t r = 0; r < nr; r++) {                                                          \
+            float res[64];                                                                          \
+            for (int64_t k = 0; k < NV; k++) { v16 t = o[r][k] * inv[r]; memcpy(res + 16 * k, &t, 64); } \
+            STORE(out + (start + i0 + r) * H + h * HD, res, HD);                                    \
+        }                                                                                           \
+    }                                                                                               \
+}
+
+#define DEFINE_VARLEN(NAME, HEAD, T)                                                                  \
+int NAME(const T *qkv, T *out, const int32_t *cu, int64_t num_seqs, int64_t nh, int64_t hd,          \
+         float scale, int num_threads) {                                                            \
+    if (hd % 16 || hd > 64) return -1;                                                              \
+    int failed = 0;                                                                                 \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")           \
+    for (int64_t b = 0; b < num_seqs; b++) {                                                        \
+        for (int64_t h = 0; h < nh; h++) {                                                          \
+            const int64_t start = cu[b], L = cu[b + 1] - start, Lp = (L + 15) / 16 * 16;            \
+            if (L <= 0) continue;                                                                   \
+            float *buf = (float *)malloc(sizeof(float) * (size_t)(hd * Lp + L * hd + R * Lp + 16));  \
+            if (!buf) { failed = 1; continue; }                                                     \
+            if (hd == 32) HEAD(qkv, out, start, L, h, nh, 32, scale, buf);                          \
+            else if (hd == 64) HEAD(qkv, out, start, L, h, nh, 64, scale, buf);                     \
+            else HEAD(qkv, out, start, L, h, nh, hd, scale, buf);                                   \
+            free(buf);                                                                              \
+        }                                                                                           \
+    }                                                                                               \
+    return failed ? -2 : 0;                                                                         \
+}
+
+DEFINE_HEAD(varlen_head_f32, float, load_f32, store_f32)
+DEFINE_HEAD(varlen_head_bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_VARLEN(varlen_attention_f32, varlen_head_f32, float)
+DEFINE_VARLEN(varlen_attention_bf16, varlen_head_bf16, uint16_t)

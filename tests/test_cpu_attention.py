@@ -89,3 +89,60 @@ def test_read_only_home_builds_into_a_temp_folder(monkeypatch, tmp_path):
                                    rtol=2e-5, atol=2e-5)
     finally:
         cpu_attention._library.cache_clear()
+
+
+def _varlen_reference(qkv, lens, nh):
+    """Each sequence alone through SDPA in float64."""
+    T, three_h = qkv.shape
+    H, hd = three_h // 3, three_h // (3 * nh)
+    out, start = torch.empty(T, H, dtype=torch.float64), 0
+    for L in lens:
+        q, k, v = qkv[start:start + L].double().view(L, 3, nh, hd).permute(1, 2, 0, 3)
+        out[start:start + L] = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(L, H)
+        start += L
+    return out
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("nh,hd", [(12, 32), (6, 64), (4, 16), (4, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_attention_equals_per_sequence_sdpa(nh, hd, dtype):
+    g = torch.Generator().manual_seed(nh * hd)
+    # one token (attends to itself), fewer rows than the 4-row block, a 16-key boundary, ragged, long
+    lens = [1, 2, 3, 16, 17, 64, 300, 5]
+    qkv = torch.randn(sum(lens), 3 * nh * hd, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    ours = cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5)
+    assert ours.dtype == dtype and ours.shape == (sum(lens), nh * hd)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.double(), _varlen_reference(qkv, lens, nh), rtol=tol, atol=tol)
+
+
+def test_varlen_refuses_what_it_cannot_run():
+    qkv = torch.randn(10, 3 * 4 * 40)
+    assert not cpu_attention.varlen_supports(qkv, 4)                       # head_dim 40
+    assert not cpu_attention.varlen_supports(torch.randn(10, 3 * 2 * 128), 2)
+    assert not cpu_attention.varlen_supports(qkv.half(), 4)
+    if WHY is None:
+        with pytest.raises(ValueError, match="multiple of 16"):
+            cpu_attention.varlen_attention(qkv, torch.tensor([0, 10], dtype=torch.int32), 4, 0.1)
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+def test_encoder_with_the_kernel_equals_the_padded_sdpa_path(monkeypatch, minilm_dir):
+    """The bundled MiniLM, fp32: the kernel (no padding) and SDPA over padded groups agree, and
+    the padding metric counts what the kernel computed."""
+    from embedserve.models import encoder as enc_mod
+    from embedserve.models.encoder import AttentionPlan, load_encoder
+
+    enc = load_encoder(minilm_dir, "float32")
+    g = torch.Generator().manual_seed(3)
+    lens = [40, 33, 31, 9, 2, 1]
+    ids = torch.randint(1000, 20000, (sum(lens),), generator=g)
+    pos = torch.cat([torch.arange(L) for L in lens])
+    plan = AttentionPlan.build(lens)
+    padded = plan.computed_tokens
+    kernel = enc(ids, pos, plan)
+    assert plan.computed_tokens == sum(lens) < padded
+    monkeypatch.setattr(enc_mod, "_varlen_kernel_runs", lambda qkv, nh: False)
+    torch.testing.assert_close(kernel, enc(ids, pos, AttentionPlan.build(lens)), rtol=1e-4, atol=1e-4)

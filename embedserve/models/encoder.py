@@ -2,8 +2,11 @@
 
 Every linear layer runs on the packed `(T, H)` matrix of real tokens only, so mixed lengths
 cost no padding in the matmuls that dominate the FLOPs. Attention is the only place that
-needs per-sequence structure; sequences are packed in length order and cut into groups of
-near-equal length (`AttentionPlan`), each run as one padded `scaled_dot_product_attention`.
+needs per-sequence structure. On a CPU it runs in a C kernel straight on the packed rows, each
+sequence with its own tokens, no padding (`kernels.cpu_attention.varlen_attention`, head_dim a
+multiple of 16 up to 64); elsewhere (or without a compiler) sequences are packed in length
+order and cut into groups of near-equal length (`AttentionPlan`), each run as one padded
+`scaled_dot_product_attention`.
 
     packed tokens (length-sorted):  [ s0 s0 s0 | s1 s1 s1 | s2 s2 | s3 ]
     attention groups:               [ g0: 2 seqs × 3      | g1: 2 seqs × 2, one pad ]
@@ -14,6 +17,8 @@ BERT and XLM-R share the math; they differ only in where position ids start
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
 import math
@@ -23,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+
+from kernels import cpu_attention
 
 from .linear import Linear
 
@@ -189,6 +196,11 @@ class Encoder(torch.nn.Module):
     def _attention(self, qkv: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         nh, hd = self.num_heads, self.head_dim
         H = nh * hd
+        if _varlen_kernel_runs(qkv, nh):
+            # the C kernel: each sequence on its own packed rows, no padding, no mask
+            plan.computed_tokens = len(qkv)
+            cu = torch.tensor([0, *itertools.accumulate(plan.lengths)], dtype=torch.int32)
+            return cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5)
         outs = []
         for start, end, n, L, dest, mask in plan.groups:
             g = qkv[start:end]                                               # (t, 3H)
@@ -229,6 +241,18 @@ class Encoder(torch.nn.Module):
             h = up(x) if getattr(up, "act", None) else self._act(up(x))      # (T, I)
             x = F.layer_norm(x + p["ffn_down"](h), (H,), *p["ln2"], eps)
         return x
+
+
+@functools.cache
+def _varlen_kernel_available() -> bool:
+    why = cpu_attention.available()
+    logger.info("encoder attention on the CPU: %s", "the C kernel (kernels/cpu_paged_attention.c, no padding)"
+                if why is None else f"SDPA over padded groups ({why})")
+    return why is None
+
+
+def _varlen_kernel_runs(qkv: torch.Tensor, num_heads: int) -> bool:
+    return cpu_attention.varlen_supports(qkv, num_heads) and _varlen_kernel_available()
 
 
 def activation_bytes(cfg: EncoderConfig, max_batch_tokens: int, max_len: int, bytes_per_el: int) -> int:
