@@ -121,8 +121,9 @@ class ProbeResult:
 
 
 # Bumped when the compute paths change speed (v2: oneDNN-packed linears, fused GELU, fp32
-# attention for bf16): a probe cached by an older version would pick by stale speeds.
-PROBE_VERSION = 2
+# attention for bf16; v3: the C varlen attention kernel): a probe cached by an older version
+# would pick by stale speeds.
+PROBE_VERSION = 3
 
 
 def _cache_path(fingerprint: str, device) -> Path:

@@ -249,12 +249,22 @@ def profile_embed(model_name: str, dtype: str, num_texts: int, repeats: int = 5)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         pool_ms, _ = timed(model._pool, h, lengths, starts)
         embed_ms, (outs, computed) = timed(model.embed, ids, want)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(repeats):
-                with torch.profiler.record_function("es::forward"):
-                    model.encoder(flat, pos, plan)
+        from kernels import cpu_attention
+        patches: list = []
+        _wrap(cpu_attention, "varlen_attention", "es::cpu_attention", patches)   # not an aten op
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(repeats):
+                    with torch.profiler.record_function("es::forward"):
+                        model.encoder(flat, pos, plan)
+        finally:
+            _restore(patches)
     events = prof.events()
     fam_ms, op_ms, op_calls = _ops_by_family(events, "es::forward", repeats)
+    kernel_ms = sum(e.time_range.end - e.time_range.start for e in events
+                    if e.name == "es::cpu_attention") / 1e3 / repeats
+    if kernel_ms:
+        fam_ms["attention (C kernel)"] = kernel_ms
     # the remainder against the forward's wall time under the profiler (op self times are inflated by it)
     fwd_prof_ms = sum(e.time_range.end - e.time_range.start for e in events if e.name == "es::forward") / 1e3 / repeats
     fam_ms["Python and dispatch (forward wall − op self time)"] = max(fwd_prof_ms - sum(fam_ms.values()), 0.0)
