@@ -6,7 +6,9 @@ Why: the torch path gathers each sequence's K/V blocks into a copy and runs SDPA
 kernel spends most of a one-token query on setup. Profile of one 16-sequence SmolLM2 decode
 step in bf16 (`python -m embedserve.bench.profile decode`): SDPA 5.4 ms + gather 2.0 ms of
 20.9 ms. The kernel reads K/V in place through the block table, loads each K/V row once for
-the query heads that share it, and accumulates in float32.
+the query heads that share it, and accumulates in float32. For the encoder, SDPA over padded
+length groups ran its small-head (d = 32) problems at ~40 GFLOP/s, 26-29 % of the forward; the
+varlen kernel computes no padding and register-blocks the scores (4 query rows x 16 keys).
 
 The shared library is cached under $EMBEDSERVE_HOME/kernels, keyed by the source, the flags
 and the CPU (it is built with -march=native): a build is ~1 s, once per machine. No compiler,
