@@ -287,7 +287,10 @@ def test_clients_that_go_away_leave_no_work_behind(server):
 
     async def embed(c):
         task = asyncio.create_task(c.post(server + "/v1/embeddings", json={"input": texts}))
-        await asyncio.sleep(rng.uniform(0, 0.5))
+        # leave at a random moment after the request had time to reach the queue: 50 × 48 texts
+        # are ~10 s of encoder work, so most are still queued then (leaving within the first ms,
+        # before the server has read the body, tests nothing about dropping queued inputs)
+        await asyncio.sleep(rng.uniform(0.3, 1.5))
         task.cancel()
         try:
             await task
