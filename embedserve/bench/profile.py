@@ -90,8 +90,6 @@ def _instrument(eng) -> list:
     _wrap(decode_engine, "sample", "es::sample", patches)
     # ModelRunner.run = prepare inputs + forward + logits: its remainder is the input preparation
     _wrap(runner, "run", "es::run", patches)
-    # postprocess: everything in step() after the sample
-    _wrap(eng, "_emit", "es::emit", patches)
     from kernels import cpu_attention
     _wrap(cpu_attention, "paged_decode_attention", "es::cpu_attention", patches)   # not an aten op
     return patches
@@ -288,18 +286,23 @@ def profile_embed(model_name: str, dtype: str, num_texts: int, repeats: int = 5)
     }
 
 
+def _forward_tables(res: dict, fwd: float, title: str, per: str) -> list[str]:
+    """The forward by op family (share of `fwd`) and the top ops, as markdown rows."""
+    lines = ["", f"| {title} | ms{per} | share of forward |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.2f} | {100 * v / fwd:.0f}% |"
+              for k, v in sorted(res["forward_ms"].items(), key=lambda kv: -kv[1])]
+    lines += ["", f"| top ops (self time) | ms{per} | calls{per} |", "|---|---|---|"]
+    lines += [f"| `{o['op']}` | {o['ms']:.2f} | {o['calls_per_step']:.0f} |" for o in res["top_ops_ms"]]
+    return lines
+
+
 def render_embed(res: dict) -> str:
     total = sum(v for k, v in res["phases_ms"].items() if "base64" not in k)
     lines = [f"**{res['what']}**, {res['model']} {res['dtype']}, {res['threads']} threads: forward "
              f"{res['forward_tokens_per_s']:,.0f} tokens/s; the request path (float JSON) {total:.1f} ms.", "",
              "| phase | ms | share |", "|---|---|---|"]
     lines += [f"| {k} | {v:.2f} | {100 * v / total:.0f}% |" for k, v in res["phases_ms"].items()]
-    fwd = sum(res["forward_ms"].values())
-    lines += ["", "| inside forward (under the profiler) | ms | share of forward |", "|---|---|---|"]
-    lines += [f"| {k} | {v:.2f} | {100 * v / fwd:.0f}% |"
-              for k, v in sorted(res["forward_ms"].items(), key=lambda kv: -kv[1])]
-    lines += ["", "| top ops (self time) | ms | calls |", "|---|---|---|"]
-    lines += [f"| `{o['op']}` | {o['ms']:.2f} | {o['calls_per_step']:.0f} |" for o in res["top_ops_ms"]]
+    lines += _forward_tables(res, sum(res["forward_ms"].values()), "inside forward (under the profiler)", "")
     return "\n".join(lines) + "\n"
 
 
@@ -309,12 +312,7 @@ def render(res: dict) -> str:
              f"{res['step_ms_unprofiled']:.1f} ms/step unprofiled ({res['tokens_per_s_unprofiled']:.0f} tokens/s), "
              f"{step:.1f} ms profiled.", "", "| phase | ms/step | share |", "|---|---|---|"]
     lines += [f"| {k} | {v:.2f} | {100 * v / step:.0f}% |" for k, v in res["phases_ms"].items()]
-    fwd = res["phases_ms"]["forward"]
-    lines += ["", "| inside forward | ms/step | share of forward |", "|---|---|---|"]
-    lines += [f"| {k} | {v:.2f} | {100 * v / fwd:.0f}% |"
-              for k, v in sorted(res["forward_ms"].items(), key=lambda kv: -kv[1])]
-    lines += ["", "| top ops (self time) | ms/step | calls/step |", "|---|---|---|"]
-    lines += [f"| `{o['op']}` | {o['ms']:.2f} | {o['calls_per_step']:.0f} |" for o in res["top_ops_ms"]]
+    lines += _forward_tables(res, res["phases_ms"]["forward"], "inside forward", "/step")
     return "\n".join(lines) + "\n"
 
 
