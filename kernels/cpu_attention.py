@@ -86,7 +86,17 @@ def _build(cc: str, target: Path) -> str | None:
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the loaded library, None) or (None, why not)."""
+    """(the loaded library, None) or (None, why not); built or loaded once, and said once in the
+    log, for every caller (decode and encoder attention)."""
+    lib, why = _load()
+    if why is None:
+        logger.info("CPU attention: the C kernels (%s) for decode and encoder attention", SOURCE.name)
+    else:
+        logger.info("CPU attention: the torch paths (SDPA), the C kernels do not run here: %s", why)
+    return lib, why
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get(ENV, "auto").strip().lower() == "torch":
         return None, f"{ENV}=torch"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

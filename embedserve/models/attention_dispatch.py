@@ -14,16 +14,12 @@ The batch is ordered decodes first (one query token each), then prefill chunks:
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_attention
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -110,18 +106,8 @@ def _gqa_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return o.view(B, kvh, g, ql, hd).permute(0, 3, 1, 2, 4).reshape(B, ql, nh, hd)
 
 
-@functools.cache
-def _cpu_kernel_available() -> bool:
-    why = cpu_attention.available()
-    if why is None:
-        logger.info("decode attention on the CPU: the C kernel (kernels/cpu_paged_attention.c)")
-    else:
-        logger.info("decode attention on the CPU: the torch path (%s)", why)
-    return why is None
-
-
 def _cpu_kernel_runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return _cpu_kernel_available() and cpu_attention.supports(q, k_cache)
+    return cpu_attention.supports(q, k_cache) and cpu_attention.available() is None
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

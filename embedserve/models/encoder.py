@@ -17,7 +17,6 @@ BERT and XLM-R share the math; they differ only in where position ids start
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import logging
@@ -243,16 +242,8 @@ class Encoder(torch.nn.Module):
         return x
 
 
-@functools.cache
-def _varlen_kernel_available() -> bool:
-    why = cpu_attention.available()
-    logger.info("encoder attention on the CPU: %s", "the C kernel (kernels/cpu_paged_attention.c, no padding)"
-                if why is None else f"SDPA over padded groups ({why})")
-    return why is None
-
-
 def _varlen_kernel_runs(qkv: torch.Tensor, num_heads: int) -> bool:
-    return cpu_attention.varlen_supports(qkv, num_heads) and _varlen_kernel_available()
+    return cpu_attention.varlen_supports(qkv, num_heads) and cpu_attention.available() is None
 
 
 def activation_bytes(cfg: EncoderConfig, max_batch_tokens: int, max_len: int, bytes_per_el: int) -> int:
