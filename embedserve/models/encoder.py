@@ -87,12 +87,14 @@ class AttentionPlan:
     groups: list[tuple[int, int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=list)
     computed_tokens: int = 0
+    cu_seqlens: torch.Tensor | None = None       # int32 (B + 1,) sequence starts, for the C kernel
 
     @classmethod
     def build(cls, lengths: list[int], max_waste: float = 0.125) -> "AttentionPlan":
         """`lengths` must be sorted descending; a group grows while its padding stays under
         `max_waste` of its real tokens, so attention pads little and launches few kernels."""
-        plan = cls(lengths=list(lengths))
+        plan = cls(lengths=list(lengths),
+                   cu_seqlens=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32))
         tok = 0
         i = 0
         while i < len(lengths):
@@ -198,8 +200,7 @@ class Encoder(torch.nn.Module):
         if _varlen_kernel_runs(qkv, nh):
             # the C kernel: each sequence on its own packed rows, no padding, no mask
             plan.computed_tokens = len(qkv)
-            cu = torch.tensor([0, *itertools.accumulate(plan.lengths)], dtype=torch.int32)
-            return cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5)
+            return cpu_attention.varlen_attention(qkv, plan.cu_seqlens, nh, hd ** -0.5)
         outs = []
         for start, end, n, L, dest, mask in plan.groups:
             g = qkv[start:end]                                               # (t, 3H)
