@@ -279,11 +279,13 @@ class Index:
                     "sparse": len(self.sparse)}
 
     def describe(self) -> dict:
-        """Manifest plus live counts (what `GET /v1/indexes/{name}` returns)."""
+        """Manifest with live counts (`counts`; the manifest's own, the last snapshot's, as
+        `snapshot_counts`): what `GET /v1/indexes/{name}` returns."""
         with self._lock:
             self.catch_up()
             info = json.loads(self.manifest.to_json())
-            info["live_counts"] = self.counts()
+            info["snapshot_counts"] = info["counts"]
+            info["counts"] = info["live_counts"] = self.counts()    # live_counts: the older name
             info["sequence"] = self.applied
             info["stale_dense"] = len(self.dense.stale)
             return info

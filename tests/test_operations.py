@@ -187,6 +187,8 @@ def test_hnsw_index_and_rrf_fusion_through_the_api_and_live_counts(server):
     assert httpx.post(f"{server}/v1/indexes/{name}/documents", json={"documents": docs}, timeout=60).status_code == 200
     listed = {i["name"]: i for i in httpx.get(server + "/v1/indexes").json()["data"]}
     assert listed[name]["counts"]["documents"] == 3 and listed[name]["dense_index"] == "hnsw"
+    info = httpx.get(f"{server}/v1/indexes/{name}").json()      # live there too, not the snapshot's 0
+    assert info["counts"] == {"documents": 3, "dense": 3, "sparse": 3}, info
     for mode, fusion in (("dense", None), ("hybrid", "rrf"), ("hybrid", "weighted")):
         r = httpx.post(server + "/v1/search", json={"index": name, "query": "哪条河流经上海？", "mode": mode,
                                                      "fusion": fusion, "top_k": 3}, timeout=60)

@@ -46,6 +46,38 @@ class EmbeddingRequest(BaseModel):
     truncate: StrictBool = False
 
 
+class SparseEmbedding(BaseModel):
+    """Lexical weights: vocabulary ids and their weights."""
+
+    indices: list[int]
+    values: list[float]
+
+
+class EmbeddingObject(BaseModel):
+    object: Literal["embedding"]
+    index: int = Field(description="the input's position in the request")
+    embedding: list[float] | str | None = Field(
+        default=None, description="the dense vector (with `dense` in `embedding_types`, the default); with "
+                                  "encoding_format=base64 its little-endian float32 bytes in base64")
+    sparse_embedding: SparseEmbedding | None = None
+    colbert_embedding: list[list[float]] | None = Field(default=None, description="one vector per token")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    truncated_inputs: list[int] | None = Field(default=None, description="inputs cut with truncate=true")
+
+
+class EmbeddingResponse(BaseModel):
+    """200 of POST /v1/embeddings (OpenAI's shape; sparse and ColBERT vectors as asked)."""
+
+    object: Literal["list"]
+    data: list[EmbeddingObject]
+    model: str
+    usage: EmbeddingUsage
+
+
 def parse_inputs(raw: Any, max_inputs: int) -> tuple[list[str] | None, list[list[int]] | None]:
     """Split `input` into texts or token-id lists, refusing anything ambiguous or empty."""
     if isinstance(raw, str):
@@ -94,7 +126,7 @@ def build_router(state: AppState) -> APIRouter:
     """The embeddings route, bound to the app's state."""
     router = APIRouter()
 
-    @router.post("/v1/embeddings", **route_doc(EmbeddingRequest, 404))
+    @router.post("/v1/embeddings", **route_doc(EmbeddingRequest, 404, ok=EmbeddingResponse))
     async def embeddings(request: Request):
         body = await parse_body(request, EmbeddingRequest)
         engine = state.require_embedder(body.model)

@@ -100,6 +100,114 @@ class ChatRequest(_Common):
     safety_identifier: str | None = None
 
 
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] = Field(description="`cached_tokens`: prompt tokens found in the "
+                                                              "prefix cache")
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    """200 of POST /v1/completions without `stream` (OpenAI's shape); with `stream: true` the
+    same objects arrive as server-sent events, each choice holding the text since the last."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of POST /v1/completions with `stream: true`: the text since the
+    last event; with stream_options.include_usage a last chunk with no choices and the usage."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of POST /v1/chat/completions with `stream: true` (the first
+    carries the role; with stream_options.include_usage a last one with no choices and the usage)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """200 of POST /v1/chat/completions without `stream` (OpenAI's shape); with `stream: true`,
+    `chat.completion.chunk` objects as server-sent events (`delta` in place of `message`)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
 def _refuse_not_implemented(body: _Common) -> None:
     """A field we do not implement is refused by name unless its value changes nothing."""
     for name, harmless in _NOT_IMPLEMENTED.items():
@@ -283,10 +391,6 @@ async def _run(request: Request, gen: Generator, body: _Common, prompt_ids: list
     return await _collect(request, reply, queue, seq_id)
 
 
-# a JSON answer, or server-sent events with `stream: true`
-_JSON_OR_SSE = {"application/json": {}, "text/event-stream": {}}
-
-
 def build_router(state: AppState) -> APIRouter:
     """Routes bound to the app's state (its `generator`, once loaded)."""
     router = APIRouter()
@@ -302,7 +406,7 @@ def build_router(state: AppState) -> APIRouter:
                                 f"generates with {gen.name!r} (GET /v1/models)", param="model")
         return gen
 
-    @router.post("/v1/completions", **route_doc(CompletionRequest, 404, ok=_JSON_OR_SSE))
+    @router.post("/v1/completions", **route_doc(CompletionRequest, 404, ok=CompletionResponse, stream=CompletionChunk))
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest)
         gen = generator_for(body)
@@ -320,7 +424,7 @@ def build_router(state: AppState) -> APIRouter:
             ids = list(body.prompt)
         return await _run(request, gen, body, ids, _params(body, 16), "completion")
 
-    @router.post("/v1/chat/completions", **route_doc(ChatRequest, 404, ok=_JSON_OR_SSE))
+    @router.post("/v1/chat/completions", **route_doc(ChatRequest, 404, ok=ChatCompletionResponse, stream=ChatCompletionChunk))
     async def chat(request: Request):
         body = await parse_body(request, ChatRequest)
         gen = generator_for(body)

@@ -96,6 +96,111 @@ class SearchRequest(BaseModel):
     filter: dict[str, Any] | None = None
 
 
+class Counts(BaseModel):
+    documents: int
+    dense: int = Field(description="vectors in the dense (FAISS) index")
+    sparse: int = Field(description="documents in the sparse postings")
+
+
+class IndexObject(BaseModel):
+    """An index: its live version's manifest (the identity of the model that built it, which
+    every write and search must match) and its live counts."""
+
+    object: Literal["index"]
+    name: str
+    version: str
+    model: str
+    fingerprint: str
+    dimension: int
+    normalize: bool
+    metric: str
+    pooling: str
+    sparse: str = Field(description='"lexical_weights" (the model\'s sparse head) or "bm25"')
+    dense_index: dict[str, Any]
+    counts: Counts = Field(description="live: every acknowledged write included")
+    snapshot_counts: Counts = Field(description="what the last snapshot on disk holds")
+    sequence: int = Field(description="the last write applied")
+    compatible: bool | None = Field(default=None, description="whether a served model can use this index")
+    mismatch: str | None = Field(default=None, description="why not, when it cannot")
+
+
+class IndexSummary(BaseModel):
+    object: Literal["index"]
+    name: str
+    version: str
+    model: str
+    dimension: int
+    dense_index: str = Field(description='"flat" or "hnsw"')
+    sparse: str
+    counts: Counts = Field(description="live")
+    compatible: bool
+
+
+class IndexList(BaseModel):
+    """200 of GET /v1/indexes."""
+
+    object: Literal["list"]
+    data: list[IndexSummary]
+
+
+class IndexReload(BaseModel):
+    """200 of POST /v1/indexes/{name}/reload: the live version and the served model that answers for it."""
+
+    object: Literal["index.reload"]
+    name: str
+    version: str
+    model: str | None
+    mismatch: str | None
+
+
+class IndexDeleted(BaseModel):
+    object: Literal["index.deleted"]
+    name: str
+    deleted: bool
+
+
+class UpsertResponse(BaseModel):
+    """200 of an upsert: what happened to each document, by outcome."""
+
+    object: Literal["index.upsert"]
+    index: str
+    version: str
+    added: int
+    replaced: int = Field(description="text changed: re-embedded")
+    metadata: int = Field(description="only the metadata changed: not re-embedded")
+    unchanged: int
+    truncated: list[str] = Field(description="ids of documents cut to the model's input length")
+    sequence: int
+
+
+class DeleteDocumentsResponse(BaseModel):
+    object: Literal["index.delete"]
+    index: str
+    version: str
+    deleted: int
+    missing: list[str]
+    sequence: int
+
+
+class SearchHit(BaseModel):
+    id: str
+    score: float
+    text: str
+    metadata: dict[str, Any]
+    scores: dict[str, float] = Field(description="per side (dense, sparse) where computed")
+
+
+class SearchResponse(BaseModel):
+    """200 of POST /v1/search: the hits and the (version, model) pair that answered."""
+
+    object: Literal["list"]
+    index: str
+    version: str
+    model: str
+    mode: Literal["dense", "sparse", "hybrid"]
+    data: list[SearchHit]
+
+
 def _embedder(engine) -> ModelEmbedder:
     """A served model's conversions (texts -> index vectors), over its engine."""
     return ModelEmbedder(engine, max_input_length=engine.max_input_length)
@@ -147,7 +252,7 @@ def build_router(state: AppState) -> APIRouter:
 
     router = APIRouter()
 
-    @router.post("/v1/indexes", status_code=201, **route_doc(CreateIndexRequest, 404, 409))
+    @router.post("/v1/indexes", status_code=201, **route_doc(CreateIndexRequest, 404, 409, ok=IndexObject, status=201))
     async def create_index(request: Request):
         body = await parse_body(request, CreateIndexRequest)
         name = check_name(body.name)
@@ -157,12 +262,12 @@ def build_router(state: AppState) -> APIRouter:
         info = await run_in_threadpool(indexes.create, name, ident, dense)
         return JSONResponse(_index_object(info), status_code=201)
 
-    @router.get("/v1/indexes", **route_doc())
+    @router.get("/v1/indexes", **route_doc(ok=IndexList))
     async def list_indexes():
         rows = await run_in_threadpool(indexes.summaries, lambda m: _why_not(state, m))
         return {"object": "list", "data": [{"object": "index", **row} for row in rows]}
 
-    @router.get("/v1/indexes/{name}", **route_doc(None, 400, 404))
+    @router.get("/v1/indexes/{name}", **route_doc(None, 400, 404, ok=IndexObject))
     async def get_index(name: str):
         check_name(name)
         ix = await run_in_threadpool(indexes.get, name, None)
@@ -171,7 +276,7 @@ def build_router(state: AppState) -> APIRouter:
         info["compatible"], info["mismatch"] = why is None, why
         return info
 
-    @router.post("/v1/indexes/{name}/reload", **route_doc(None, 400, 404, 409))
+    @router.post("/v1/indexes/{name}/reload", **route_doc(None, 400, 404, 409, ok=IndexReload))
     async def reload_index(name: str):
         """Pick up a moved `CURRENT` now (every request also checks it): the live version and the
         served model that will answer for it."""
@@ -180,7 +285,7 @@ def build_router(state: AppState) -> APIRouter:
         model = state.name_of(state.engine_for_index(ix.manifest)) if why is None else None
         return {"object": "index.reload", "name": name, "version": ix.version, "model": model, "mismatch": why}
 
-    @router.delete("/v1/indexes/{name}", **route_doc(None, 400, 404))
+    @router.delete("/v1/indexes/{name}", **route_doc(None, 400, 404, ok=IndexDeleted))
     async def delete_index(name: str):
         await run_in_threadpool(indexes.delete, check_name(name))
         return {"object": "index.deleted", "name": name, "deleted": True}
@@ -193,7 +298,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
     """Upsert and delete documents, and search: the routes that embed through the engine."""
     indexes = state.indexes
 
-    @router.post("/v1/indexes/{name}/documents", **route_doc(UpsertRequest, 404, 409))
+    @router.post("/v1/indexes/{name}/documents", **route_doc(UpsertRequest, 404, 409, ok=UpsertResponse))
     async def upsert_documents(name: str, request: Request):
         check_name(name)
         body = await parse_body(request, UpsertRequest)
@@ -215,7 +320,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         result = await run_in_threadpool(ops.commit_upsert, ix, docs, todo, vectors, ident)
         return {"object": "index.upsert", **result.to_dict()}
 
-    @router.delete("/v1/indexes/{name}/documents", **route_doc(DeleteDocumentsRequest, 404, 409))
+    @router.delete("/v1/indexes/{name}/documents", **route_doc(DeleteDocumentsRequest, 404, 409, ok=DeleteDocumentsResponse))
     async def delete_documents(name: str, request: Request):
         check_name(name)
         body = await parse_body(request, DeleteDocumentsRequest)
@@ -226,7 +331,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         return {"object": "index.delete", "index": name, "version": ix.version,
                 "deleted": len(change.outcomes) - len(missing), "missing": missing, "sequence": change.seq}
 
-    @router.post("/v1/search", **route_doc(SearchRequest, 404, 409))
+    @router.post("/v1/search", **route_doc(SearchRequest, 404, 409, ok=SearchResponse))
     async def search(request: Request):
         body = await parse_body(request, SearchRequest)
         name = check_name(body.index)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 
+from typing import Literal
+
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
 
 from ..errors import UnavailableError
 from .errors import error_response
@@ -16,11 +19,47 @@ from .state import AppState
 logger = logging.getLogger(__name__)
 
 
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Ready(BaseModel):
+    status: Literal["ready"]
+    model: str = Field(description="the first served embedding model")
+
+
+class ModelObject(BaseModel):
+    """A served model: an embedding model (dimensions, limits, ...) or the generation model
+    (`task: "generate"`, `max_model_len`)."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    dimensions: int | None = None
+    max_input_length: int | None = None
+    pooling: str | None = None
+    embedding_types: list[Literal["dense", "sparse", "colbert"]] | None = None
+    dtype: str | None = None
+    fingerprint: str | None = None
+    limits: dict[str, int] | None = Field(default=None, description="what one request must stay under")
+    max_model_len: int | None = None
+    task: Literal["generate"] | None = None
+
+
+class ModelList(BaseModel):
+    """200 of GET /v1/models (OpenAI's shape, with embedserve's fields per model)."""
+
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
 def build_router(state: AppState) -> APIRouter:
     """The operational routes, bound to the app's state."""
     router = APIRouter()
 
-    @router.get("/health", responses={503: {"model": ErrorEnvelope, "description": "An engine died or stalled"}})
+    @router.get("/health", responses={200: {"model": Health, "description": "Every engine alive"},
+                                      503: {"model": ErrorEnvelope, "description": "An engine died or stalled"}})
     async def health():
         """Liveness: every engine thread alive and not stuck on one model call."""
         engines = [(n, e) for n, e in state.embedders.items()]
@@ -36,7 +75,8 @@ def build_router(state: AppState) -> APIRouter:
         state.health_logged = None
         return {"status": "ok"}
 
-    @router.get("/ready", responses={503: {"model": ErrorEnvelope, "description": "Loading, draining or failed"}})
+    @router.get("/ready", responses={200: {"model": Ready, "description": "Loaded, warm, not draining"},
+                                     503: {"model": ErrorEnvelope, "description": "Loading, draining or failed"}})
     async def ready():
         if state.draining:
             return error_response(UnavailableError("the server is shutting down (draining)", retry_after=5))
@@ -46,11 +86,11 @@ def build_router(state: AppState) -> APIRouter:
             return error_response(UnavailableError(f"model failed to load: {state.load_error}"))
         return error_response(UnavailableError("model is loading", retry_after=5))
 
-    @router.get("/metrics", **route_doc(ok={"text/plain": {}}))
+    @router.get("/metrics", **route_doc(text=True))
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/v1/models", **route_doc())
+    @router.get("/v1/models", **route_doc(ok=ModelList))
     async def models():
         data = []
         for name, eng in (state.embedders.items() if state.ready else ()):
