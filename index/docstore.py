@@ -5,7 +5,9 @@ changes the rows. A document's vectors carry a `label` (the sequence number of t
 made them): the id FAISS and the postings know it by. Replacing or deleting a document
 records its old label in `dead` with the sequence number of that change, so an in-memory
 index that has applied every write up to sequence S catches up by removing the labels dead
-after S and adding the rows labelled after S.
+after S and adding the rows labelled after S. A row's `wseq` is the sequence number of the last
+write to it, its text's (= its label) or its metadata's alone: a reindex copies the rows written
+after its checkpoint by `wseq`, so a metadata change made meanwhile is carried over too.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ CREATE TABLE IF NOT EXISTS docs (
     sparse_ids BLOB,
     sparse_weights BLOB,
     created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    wseq INTEGER
 );
 CREATE TABLE IF NOT EXISTS dead (label INTEGER PRIMARY KEY, at_seq INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS dead_at_seq ON dead (at_seq);
@@ -100,6 +103,17 @@ class DocStore:
         # FULL: a commit is on disk before the write is acknowledged (survives power loss, not just kill -9).
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.executescript(_SCHEMA)
+        self._add_wseq()
+
+    def _add_wseq(self) -> None:
+        """A doc store written before `wseq` existed gets it (= label: the last write to each row
+        the store knows of), in one transaction, once."""
+        if not any(r[1] == "wseq" for r in self.conn.execute("PRAGMA table_info(docs)")):
+            with _Transaction(self.conn) as cur:
+                if not any(r[1] == "wseq" for r in cur.execute("PRAGMA table_info(docs)")):
+                    cur.execute("ALTER TABLE docs ADD COLUMN wseq INTEGER")
+                    cur.execute("UPDATE docs SET wseq = label")
+        self.conn.execute("CREATE INDEX IF NOT EXISTS docs_wseq ON docs (wseq)")
 
     def close(self) -> None:
         self.conn.close()
@@ -146,8 +160,10 @@ class DocStore:
                 row = cur.execute("SELECT label, content_hash, metadata FROM docs WHERE ext_id=?",
                                   (doc.id,)).fetchone()
                 if row is not None and row[1] == h:
-                    if row[2] != meta:
-                        cur.execute("UPDATE docs SET metadata=?, updated_at=? WHERE ext_id=?", (meta, now, doc.id))
+                    if row[2] != meta:          # a write of its own (wseq), vectors and label unchanged
+                        seq += 1
+                        cur.execute("UPDATE docs SET metadata=?, updated_at=?, wseq=? WHERE ext_id=?",
+                                    (meta, now, seq, doc.id))
                     change.outcomes[doc.id] = "metadata" if row[2] != meta else "unchanged"
                     continue
                 if d is None and s is None:
@@ -159,14 +175,14 @@ class DocStore:
                          None if s is None else np.asarray(s[1], "<f4").tobytes())
                 if row is None:
                     cur.execute("INSERT INTO docs (ext_id, text, metadata, content_hash, label, dense, sparse_ids, "
-                                "sparse_weights, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                                (doc.id, doc.text, meta, h, seq, *blobs, now, now))
+                                "sparse_weights, created_at, updated_at, wseq) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                                (doc.id, doc.text, meta, h, seq, *blobs, now, now, seq))
                     change.outcomes[doc.id] = "added"
                 else:
                     cur.execute("INSERT INTO dead VALUES (?, ?)", (row[0], seq))
                     cur.execute("UPDATE docs SET text=?, metadata=?, content_hash=?, label=?, dense=?, sparse_ids=?, "
-                                "sparse_weights=?, updated_at=? WHERE ext_id=?",
-                                (doc.text, meta, h, seq, *blobs, now, doc.id))
+                                "sparse_weights=?, updated_at=?, wseq=? WHERE ext_id=?",
+                                (doc.text, meta, h, seq, *blobs, now, seq, doc.id))
                     change.removed.append(row[0])
                     change.outcomes[doc.id] = "replaced"
                 change.added.append((seq, d, s))
@@ -292,16 +308,18 @@ class DocStore:
             yield [(r[0], r[1], r[2], r[3], _f32(r[4]), _sparse(r[5], r[6])) for r in rows]
             last = rows[-1][0]
 
-    def documents_after(self, label: int, limit: int = 1024) -> list[tuple[int, Document]]:
-        """(label, document) of live documents written after `label`, in write order (a reindex
-        reads the live version by these, so a rerun or a catch-up continues where it stopped)."""
-        rows = self.conn.execute("SELECT label, ext_id, text, metadata FROM docs WHERE label > ? ORDER BY label "
-                                 "LIMIT ?", (label, limit)).fetchall()
+    def documents_after(self, seq: int, limit: int = 1024) -> list[tuple[int, Document]]:
+        """(wseq, document) of the live documents last written (text or metadata) after sequence
+        number `seq`, in write order: a reindex reads the live version by these, so a rerun or a
+        catch-up continues where it stopped."""
+        rows = self.conn.execute("SELECT wseq, ext_id, text, metadata FROM docs WHERE wseq > ? ORDER BY wseq "
+                                 "LIMIT ?", (seq, limit)).fetchall()
         return [(r[0], Document(r[1], r[2], json.loads(r[3]))) for r in rows]
 
-    def labels_after(self, label: int) -> np.ndarray:
-        """Labels of the live documents written after `label`, ascending (a reindex cuts shards by them)."""
-        rows = self.conn.execute("SELECT label FROM docs WHERE label > ? ORDER BY label", (label,))
+    def writes_after(self, seq: int) -> np.ndarray:
+        """The `wseq` of the live documents last written after `seq`, ascending (a reindex on Ray
+        cuts its shards by them)."""
+        rows = self.conn.execute("SELECT wseq FROM docs WHERE wseq > ? ORDER BY wseq", (seq,))
         return np.fromiter((r[0] for r in rows), dtype=np.int64)
 
     def ids(self) -> set[str]:
@@ -334,13 +352,13 @@ def _chunks(items: list, n: int):
 
 
 def read_documents(path: Path, after: int, upto: int) -> list[tuple[int, Document]]:
-    """(label, document) of the live documents with `after` < label <= `upto`, in label order,
+    """(wseq, document) of the live documents with `after` < wseq <= `upto`, in write order,
     over a read-only connection of its own: a reindex shard, read by a worker process while the
     live version keeps taking writes."""
     conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, timeout=30.0)
     try:
-        rows = conn.execute("SELECT label, ext_id, text, metadata FROM docs WHERE label > ? AND label <= ? "
-                            "ORDER BY label", (after, upto)).fetchall()
+        rows = conn.execute("SELECT wseq, ext_id, text, metadata FROM docs WHERE wseq > ? AND wseq <= ? "
+                            "ORDER BY wseq", (after, upto)).fetchall()
     finally:
         conn.close()
     return [(r[0], Document(r[1], r[2], json.loads(r[3]))) for r in rows]

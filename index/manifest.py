@@ -126,6 +126,14 @@ class Manifest:
                    dense_index=asdict(dense))
 
     @property
+    def identity(self) -> ModelIdentity:
+        """The identity of the model that built this version (what a write must carry)."""
+        return ModelIdentity(model=self.model, fingerprint=self.fingerprint, dimension=self.dimension,
+                             normalize=self.normalize, pooling=self.pooling, query_prefix=self.query_prefix,
+                             passage_prefix=self.passage_prefix, has_sparse=self.sparse == "lexical_weights",
+                             has_colbert=self.colbert, metric=self.metric)
+
+    @property
     def dense_config(self) -> DenseConfig:
         return DenseConfig(**self.dense_index)
 

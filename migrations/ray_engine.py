@@ -1,9 +1,9 @@
 """Re-embedding on a Ray cluster with Ray Data, for corpora past one machine (`--engine ray`).
 
-    live labels ──cut into shards of `batch_docs`──▶ from_items(shards)
+    live write sequences (wseq) ──cut into shards of `batch_docs`──▶ from_items(shards)
         ──map_batches(read shard, on the driver's node: the doc store lives there)──▶ rows
         ──map_batches(_EmbedActor, actor pool: each actor loads the model once)──▶ vectors
-        ──iter_batches(preserve_order)──▶ the driver commits each batch in label order + checkpoint
+        ──iter_batches(preserve_order)──▶ the driver commits each batch in write order + checkpoint
 
 Only the bulk copy runs here; the checkpoint, the catch-up passes, the gate and the swap are the
 in-process migration's (`migrations.reindex`), so a run killed midway resumes the same way with
@@ -42,11 +42,11 @@ def _import_ray():
 
 
 def _read_shards(batch: dict[str, np.ndarray], db: str) -> dict[str, np.ndarray]:
-    """Ray Data stage 1 (a task on the driver's node): the documents of each shard (label range)."""
+    """Ray Data stage 1 (a task on the driver's node): the documents of each shard (a range of write sequences)."""
     rows: list[tuple[int, Document]] = []
     for after, upto in zip(batch["after"], batch["upto"]):
         rows.extend(read_documents(Path(db), int(after), int(upto)))
-    return {"label": np.array([r[0] for r in rows], dtype=np.int64),
+    return {"seq": np.array([r[0] for r in rows], dtype=np.int64),
             "id": np.array([r[1].id for r in rows], dtype=object),
             "text": np.array([r[1].text for r in rows], dtype=object),
             "metadata": np.array([json.dumps(r[1].metadata, ensure_ascii=False) for r in rows], dtype=object)}
@@ -72,11 +72,12 @@ class _EmbedActor:
                 "fingerprint": np.array([self.fingerprint] * len(cut), dtype=object)}
 
 
-def shards(labels: np.ndarray, after: int, size: int) -> list[tuple[int, int]]:
-    """(after, upto] label ranges of at most `size` live documents each, covering `labels` in order."""
+def shards(seqs: np.ndarray, after: int, size: int) -> list[tuple[int, int]]:
+    """(after, upto] ranges of write sequences holding at most `size` live documents each,
+    covering `seqs` (ascending) in order."""
     out = []
-    for start in range(0, len(labels), size):
-        upto = int(labels[min(start + size, len(labels)) - 1])
+    for start in range(0, len(seqs), size):
+        upto = int(seqs[min(start + size, len(seqs)) - 1])
         out.append((after, upto))
         after = upto
     return out
@@ -106,17 +107,18 @@ class RayEngine:
         self.actors = actors or max(1, int(cpus // cpus_per_actor))
         logger.info("ray: %s CPUs, %d embedding actors of %s CPU each", cpus, self.actors, cpus_per_actor)
 
-    def batches(self, db: Path, labels: np.ndarray, after: int, batch_docs: int,
+    def batches(self, db: Path, seqs: np.ndarray, after: int, batch_docs: int,
                 fingerprint: str) -> Iterator[tuple[list[tuple[int, Document]], DocumentVectors]]:
-        """The live documents with these labels, embedded, in label order, `batch_docs` at a time."""
-        if len(labels) == 0:
+        """The live documents last written at these sequence numbers, embedded, in write order,
+        `batch_docs` at a time (one rewritten meanwhile is left to the next catch-up pass)."""
+        if len(seqs) == 0:
             return
         from ray.data import ActorPoolStrategy, DataContext
 
         ctx = DataContext.get_current()
-        ctx.execution_options.preserve_order = True          # results come back in label order
+        ctx.execution_options.preserve_order = True          # results come back in write order
         ctx.enable_progress_bars = False                     # the CLI draws its own
-        parts = shards(labels, after, batch_docs)
+        parts = shards(seqs, after, batch_docs)
         here = {"ray.io/node-id": self.ray.get_runtime_context().get_node_id()}   # where the doc store is
         ds = (self.ray.data.from_items([{"after": a, "upto": u} for a, u in parts],
                                        override_num_blocks=len(parts))
@@ -132,12 +134,12 @@ class RayEngine:
             if set(b["fingerprint"]) != {fingerprint}:
                 raise MigrationError(f"the Ray workers loaded another model (fingerprints {sorted(set(b['fingerprint']))}, "
                                      f"expected {fingerprint}): give the cluster the same model files", code="ray_model")
-            labels_b = b["label"].astype(np.int64)
-            if labels_b[0] <= last or np.any(np.diff(labels_b) <= 0):
-                raise MigrationError("Ray returned documents out of label order", code="ray_order")
-            last = int(labels_b[-1])
-            rows = [(int(lbl), Document(str(i), str(t), json.loads(m)))
-                    for lbl, i, t, m in zip(labels_b, b["id"], b["text"], b["metadata"])]
+            seqs_b = b["seq"].astype(np.int64)
+            if seqs_b[0] <= last or np.any(np.diff(seqs_b) <= 0):
+                raise MigrationError("Ray returned documents out of write order", code="ray_order")
+            last = int(seqs_b[-1])
+            rows = [(int(q), Document(str(i), str(t), json.loads(m)))
+                    for q, i, t, m in zip(seqs_b, b["id"], b["text"], b["metadata"])]
             sparse = [(np.frombuffer(i, "<i8").astype(np.int64), np.frombuffer(w, "<f4").astype(np.float32))
                       for i, w in zip(b["sparse_ids"], b["sparse_w"])]
             yield rows, DocumentVectors(list(b["dense"].astype(np.float32)), sparse,

@@ -1,11 +1,11 @@
 """Full reindex migration: re-embed every live document with a new model into a new version
 beside the live one, resumably, then gate, swap `CURRENT` atomically, and record it.
 
-    live vN ──read by label (write order)──▶ embed (new model) ──▶ vN+1 + checkpoint per batch
-            ──catch-up (writes made meanwhile: by label; deletions: by id)──▶ gate ──▶ CURRENT = vN+1
+    live vN ──read in write order (wseq)──▶ embed (new model) ──▶ vN+1 + checkpoint per batch
+            ──catch-up (writes made meanwhile, metadata-only ones too: by wseq; deletions: by id)──▶ gate ──▶ CURRENT = vN+1
             ──▶ ledger entry;  vN stays for `rollback`
 
-Kill it anywhere and run it again: the checkpoint names the last live label copied, and the
+Kill it anywhere and run it again: the checkpoint names the last live write copied, and the
 new version's doc store skips documents whose text it already holds, so each document is
 embedded once. The last catch-up and the swap run under the live version's SQLite write lock,
 and the old version is marked retired inside it, so a writer still holding the old version
@@ -47,8 +47,9 @@ class Checkpoint:
     version: str
     to_model: str
     to_fingerprint: str
-    copied_upto: int = 0            # last live label copied into the new version
+    copied_upto: int = 0            # the live version's last write (wseq) copied into the new one
     embedded: int = 0               # documents embedded over every run (resumes included)
+    swap_seq: int = 0               # the new version's last write when it went live
     started_at: float = field(default_factory=time.time)
     finished: bool = False
 
@@ -75,7 +76,7 @@ def _target(store: IndexStore, name: str, live: str, embedder) -> tuple[str, Che
     for version in reversed(store.versions(name)):
         ck = Checkpoint.load(store.version_dir(name, version))
         if ck and not ck.finished and ck.parent == live and ck.to_fingerprint == embedder.identity.fingerprint:
-            logger.info("index %s: resuming the reindex into %s after label %d", name, version, ck.copied_upto)
+            logger.info("index %s: resuming the reindex into %s after write %d", name, version, ck.copied_upto)
             return version, ck
     version = store.add_version(name, embedder.identity)
     ck = Checkpoint(parent=live, version=version, to_model=embedder.identity.model,
@@ -89,8 +90,8 @@ def _copy(old: Index, new: Index, embedder, ck: Checkpoint, new_dir: Path, batch
     """Copy every live document written after the checkpoint, embedded in process or (bulk) by
     `engine` (a `RayEngine`); returns how many were read."""
     if engine is not None:
-        labels = old.docs.labels_after(ck.copied_upto)
-        batches = engine.batches(old.path / DB_NAME, labels, ck.copied_upto, batch_docs,
+        seqs = old.docs.writes_after(ck.copied_upto)
+        batches = engine.batches(old.path / DB_NAME, seqs, ck.copied_upto, batch_docs,
                                  embedder.identity.fingerprint)
     else:
         batches = _local_batches(old, ck, batch_docs)
@@ -190,6 +191,7 @@ def _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_d
                 report.check("counts_at_swap", False, f"live {n_old}, new {n_new}")
                 raise GateFailed(f"counts differ at the swap (live {n_old}, new {n_new}); nothing swapped", report)
             new.snapshot()
+            ck.swap_seq = new.docs.seq()              # a rollback carries back the writes after it
             atomic_write(old.path / RETIRED, f"{new.version}\n".encode())   # we hold its temp lock
             store.set_current(name, new.version)
         finally:
@@ -204,30 +206,122 @@ def _entry(name, old_manifest, live, version, embedder, ck: Checkpoint, report: 
             "from_model": old_manifest.model, "from_fingerprint": old_manifest.fingerprint,
             "to_model": embedder.identity.model, "to_fingerprint": embedder.identity.fingerprint,
             "documents": report.documents, "embedded": ck.embedded, "gate": report.to_dict(),
-            "started_at": _iso(ck.started_at), "finished_at": _iso(time.time()),
+            "swap_seq": ck.swap_seq, "started_at": _iso(ck.started_at), "finished_at": _iso(time.time()),
             "docs_per_s": round(ck.embedded / seconds, 1)}
 
 
-def rollback(store: IndexStore, name: str) -> dict:
-    """Move `CURRENT` back to the version the last migration replaced (and record it)."""
+def rollback(store: IndexStore, name: str, embedder=None, *, batch_docs: int = 256) -> dict:
+    """Move `CURRENT` back to the version the last migration replaced, carrying over the writes
+    made to the live version since the swap (documents added or changed: re-embedded by
+    `embedder`, the parent's model, needed only when some text changed, see `writes_since_swap`;
+    metadata changes and deletions need no model). With nothing written since the swap it takes
+    well under a second. Recorded in the ledger."""
     index_dir = store.index_dir(name)
     with migration_lock(index_dir, name):
         live = store.current(name)
-        last = next((e for e in reversed(ledger.history(index_dir)) if e.get("version") == live
-                     and e.get("kind") == "reindex"), None)
-        if last is None:
-            raise MigrationError(f"index {name!r}: no migration produced the live version {live}; nothing to "
-                                 "roll back", code="nothing_to_roll_back")
-        parent = last["parent"]
-        (store.version_dir(name, parent) / RETIRED).unlink(missing_ok=True)
-        _write_in_version(store.version_dir(name, live), RETIRED, f"{parent}\n")
+        last = _last_migration(store, name, live)
+        parent, since = last["parent"], last.get("swap_seq", 0)
         t0 = time.time()
-        store.set_current(name, parent)
+        parent_dir = store.version_dir(name, parent)
+        (parent_dir / RETIRED).unlink(missing_ok=True)     # it takes the writes we carry back
+        cur = store.open(name, version=live)
+        back = store.open(name, version=parent)
+        swapped = False
+        try:
+            upto, carried = since, 0
+            for _ in range(5):                              # until the gap is small, then under the lock
+                moved, upto = _carry(cur, back, upto, embedder, batch_docs)
+                carried += moved
+                if moved <= batch_docs:
+                    break
+            carried += _swap_back_under_write_lock(store, name, cur, back, upto, embedder, batch_docs)
+            swapped = True
+        finally:
+            cur.close(snapshot=False)
+            back.close()
+            if not swapped:                                 # the parent stays out of service
+                _write_in_version(parent_dir, RETIRED, f"{live}\n")
         entry = {"kind": "rollback", "index": name, "parent": live, "version": parent,
-                 "from_model": last["to_model"], "to_model": last["from_model"],
+                 "from_model": last["to_model"], "to_model": last["from_model"], "carried": carried,
                  "finished_at": _iso(time.time()), "seconds": round(time.time() - t0, 4)}
         ledger.append(index_dir, entry)
         return entry
+
+
+def writes_since_swap(store: IndexStore, name: str) -> dict:
+    """What a rollback of `name` would carry back: the documents written on the live version
+    since the swap (`written`), of which `texts` have a text the parent does not hold (these need
+    the parent's model, `model`), and the documents deleted since."""
+    live = store.current(name)
+    last = _last_migration(store, name, live)
+    cur = store.open(name, version=live)
+    back = store.open(name, version=last["parent"])
+    try:
+        out = {"written": 0, "texts": 0, "deleted": len(back.docs.ids() - cur.docs.ids()),
+               "model": back.manifest.model}
+        upto = last.get("swap_seq", 0)
+        while rows := cur.docs.documents_after(upto, 1024):
+            out["written"] += len(rows)
+            out["texts"] += len(ops.plan_upsert(back, [d for _, d in rows]))
+            upto = rows[-1][0]
+        return out
+    finally:
+        cur.close(snapshot=False)
+        back.close(snapshot=False)
+
+
+def _last_migration(store: IndexStore, name: str, live: str) -> dict:
+    last = next((e for e in reversed(ledger.history(store.index_dir(name))) if e.get("version") == live
+                 and e.get("kind") == "reindex"), None)
+    if last is None:
+        raise MigrationError(f"index {name!r}: no migration produced the live version {live}; nothing to "
+                             "roll back", code="nothing_to_roll_back")
+    return last
+
+
+def _carry(src: Index, dst: Index, after: int, embedder, batch_docs: int) -> tuple[int, int]:
+    """Write into `dst` what `src` took after its write `after` (deletions compared by id);
+    returns (documents moved, the last write carried)."""
+    moved = 0
+    identity = dst.manifest.identity
+    while rows := src.docs.documents_after(after, batch_docs):
+        docs = [d for _, d in rows]
+        todo = ops.plan_upsert(dst, docs)
+        if todo and embedder is None:
+            raise MigrationError(f"{len(todo)} document text(s) were added or changed on {src.version} since the "
+                                 f"swap; rolling back re-embeds them with {dst.manifest.model!r}: give that "
+                                 "model (the CLI loads it)", code="rollback_needs_model")
+        if todo:
+            embedder_identity = embedder.identity
+            vectors = embedder.embed_documents([docs[i].text for i in todo])
+        else:
+            embedder_identity, vectors = identity, DocumentVectors([], [])
+        ops.commit_upsert(dst, docs, todo, vectors, embedder_identity)
+        after = rows[-1][0]
+        moved += len(rows)
+    return moved + _drop_deleted(src, dst), after
+
+
+def _swap_back_under_write_lock(store, name, cur: Index, back: Index, upto: int, embedder, batch_docs: int) -> int:
+    """The last carry and the move of `CURRENT` with writers to the live version held off (locks
+    in a snapshot's order, as for the swap); returns the documents this last pass carried."""
+    with file_lock(cur.path / TEMP_LOCK):
+        lock = sqlite3.connect(str(cur.path / DB_NAME), timeout=60, isolation_level=None)
+        try:
+            lock.execute("BEGIN IMMEDIATE")
+            moved, _ = _carry(cur, back, upto, embedder, batch_docs)
+            n_cur, n_back = cur.docs.counts()["documents"], back.docs.counts()["documents"]
+            if n_cur != n_back:
+                raise MigrationError(f"counts differ after carrying the writes back (live {n_cur}, "
+                                     f"{back.version} {n_back}); nothing rolled back", code="rollback_counts")
+            back.snapshot()
+            atomic_write(cur.path / RETIRED, f"{back.version}\n".encode())     # we hold its temp lock
+            store.set_current(name, back.version)
+            return moved
+        finally:
+            if lock.in_transaction:
+                lock.execute("ROLLBACK")
+            lock.close()
 
 
 def prune(store: IndexStore, name: str, keep: int) -> list[str]:

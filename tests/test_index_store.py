@@ -60,7 +60,9 @@ def test_upsert_same_content_is_a_noop_new_content_replaces(store):
         c = put(ix, [1], meta={1: {"s": 1}})
         assert c.outcomes == {"d1": "unchanged"} and ix.applied == seq
         c = put(ix, [1], meta={1: {"s": "changed"}})
-        assert c.outcomes == {"d1": "metadata"} and ix.applied == seq
+        # a write of its own (a reindex running meanwhile carries it by this number), vectors untouched
+        assert c.outcomes == {"d1": "metadata"} and ix.applied == seq + 1 and not c.added and not c.removed
+        assert [(q, d.id, d.metadata) for q, d in ix.docs.documents_after(seq)] == [(seq + 1, "d1", {"s": "changed"})]
         assert ix.search(Query(dense=vec(1), top_k=1), IDENT)[0].metadata == {"s": "changed"}
         assert ix.pending([Document("d1", "text 1"), Document("d1", "new"), Document("zz", "x")]) == [False, True, True]
         # New text with new vectors: the old vector is gone from FAISS and the postings.
@@ -71,6 +73,25 @@ def test_upsert_same_content_is_a_noop_new_content_replaces(store):
         for h in ix.search(Query(dense=vec(1), top_k=5), IDENT):
             if h.id == "d1":                     # scored by its new vector, not the old one
                 assert h.score == pytest.approx(float(vec(101) @ vec(1)), abs=1e-5)
+
+
+def test_a_doc_store_from_before_wseq_gets_it(store):
+    """Doc stores written before the write-sequence column: reopening adds it (= each row's label)."""
+    import sqlite3
+
+    from index.docstore import DB_NAME, DocStore
+    with store.create("t", IDENT) as ix:
+        put(ix, range(4))
+        path = ix.path / DB_NAME
+    conn = sqlite3.connect(path)
+    conn.executescript("DROP INDEX docs_wseq; ALTER TABLE docs DROP COLUMN wseq;")
+    conn.close()
+    docs = DocStore(path)
+    try:
+        assert [(q, d.id) for q, d in docs.documents_after(0)] == [(1, "d0"), (2, "d1"), (3, "d2"), (4, "d3")]
+        assert list(docs.writes_after(2)) == [3, 4]
+    finally:
+        docs.close()
 
 
 def test_delete_removes_from_every_part(store):

@@ -28,7 +28,7 @@ from migrations import ledger
 from migrations.errors import GateFailed, MigrationError
 from migrations.lock import migration_lock
 from migrations.ray_engine import RayEngine, shards
-from migrations.reindex import CHECKPOINT, reindex, rollback
+from migrations.reindex import CHECKPOINT, reindex, rollback, writes_since_swap
 
 N_DOCS = 520
 
@@ -65,6 +65,10 @@ def _vectors(store: IndexStore) -> dict:
         return {r[1]: (r[4], r[5]) for batch in ix.docs.iter_docs() for r in batch}
 
 
+def _metadata(ix, doc_id: str) -> dict:
+    return json.loads(ix.docs.hashes([doc_id])[doc_id][1])
+
+
 @pytest.fixture(scope="module")
 def in_process(built, tmp_path_factory, e5_model):
     """The vectors of an uninterrupted in-process reindex to e5 (the reference for the kill and
@@ -83,6 +87,8 @@ def test_reindex_swap_rollback_and_ledger(built, tmp_path, minilm_model, e5_mode
     def write_meanwhile(n):                      # the live version keeps taking writes
         calls.append(n)
         if len(calls) == 1:
+            first = _wiki_docs()[0]              # copied already: only its metadata changes now
+            upsert_documents(live, [Document(first.id, first.text, {"n": 0, "edited": "during"})], old)
             upsert_documents(live, [Document("added-later", "The Danube flows through Vienna and Budapest.", {})], old)
             upsert_documents(live, [Document(_wiki_docs()[3].id, "A replaced text about glaciers in Norway.", {})], old)
             live.delete([_wiki_docs()[5].id])
@@ -100,15 +106,32 @@ def test_reindex_swap_rollback_and_ledger(built, tmp_path, minilm_model, e5_mode
         assert search_text(ix, new, "Which river flows through Vienna?", top_k=1)[0].id == "added-later"
         assert search_text(ix, new, "glaciers in Norway", top_k=1)[0].id == _wiki_docs()[3].id
         assert _wiki_docs()[5].id not in ix.docs.ids()
+        assert _metadata(ix, _wiki_docs()[0].id) == {"n": 0, "edited": "during"}   # metadata too
         with pytest.raises(ConflictError):       # the old model can no longer search the live version
             search_text(ix, old, "anything")
+        # writes on the new live version after the swap: a rollback must not lose them
+        upsert_documents(ix, [Document("after-swap", "Lake Baikal in Siberia is the deepest lake on Earth.", {}),
+                              Document(_wiki_docs()[1].id, _wiki_docs()[1].text, {"edited": "after"})], new)
+        ix.delete([_wiki_docs()[2].id])
+        n_live = ix.counts()["documents"]
 
-    t0 = time.perf_counter()
-    back = rollback(store, "wiki")
-    assert time.perf_counter() - t0 < 1.0 and store.current("wiki") == "v1" and back["kind"] == "rollback"
+    assert writes_since_swap(store, "wiki") == {"written": 2, "texts": 1, "deleted": 1, "model": "all-MiniLM-L6-v2"}
+    with pytest.raises(MigrationError, match="re-embeds them with 'all-MiniLM-L6-v2'") as exc:
+        rollback(store, "wiki")                  # a new text needs the old model: refused, nothing moved
+    assert exc.value.code == "rollback_needs_model" and store.current("wiki") == "v2"
+    with store.open("wiki", version="v1") as v1, pytest.raises(RetiredError):
+        upsert_documents(v1, [Document("stray", "a stray writer on the old version", {})], old)
+
+    back = rollback(store, "wiki", old)
+    assert store.current("wiki") == "v1" and back["kind"] == "rollback" and back["carried"] == 3
     with store.open("wiki") as ix:
-        assert ix.manifest.model == "all-MiniLM-L6-v2"
+        assert ix.manifest.model == "all-MiniLM-L6-v2" and ix.counts()["documents"] == n_live
         assert search_text(ix, old, "Which river flows through Vienna?", top_k=1)[0].id == "added-later"
+        assert search_text(ix, old, "the deepest lake in Siberia", top_k=1)[0].id == "after-swap"
+        assert _metadata(ix, _wiki_docs()[1].id) == {"edited": "after"}
+        assert _wiki_docs()[2].id not in ix.docs.ids()
+    with store.open("wiki", version="v2") as v2, pytest.raises(RetiredError):
+        upsert_documents(v2, [Document("stray", "a stray writer on the rolled-back version", {})], new)
     kinds = [e["kind"] for e in ledger.history(store.index_dir("wiki"))]
     assert kinds == ["reindex", "rollback"]
 
@@ -191,7 +214,7 @@ def test_killed_at_10_50_99_percent_resumes_to_the_same_result(built, tmp_path, 
 
 def test_ray_engine_equals_the_in_process_reindex(built, tmp_path, in_process):
     """`--engine ray` on a local Ray (2 CPUs, 2 actors): Ray Data reads the shards, the actor pool
-    embeds, the results come back in label order; same ids and vectors as in process."""
+    embeds, the results come back in write order; same ids and vectors as in process."""
     pytest.importorskip("ray.data", reason="the ray extra: pip install 'embedserve[ray]' (CI installs it)")
     store = _copy(built, tmp_path)
     proc = _run_cli(store.root, "--engine", "ray", "--batch-docs", "128")
@@ -272,6 +295,13 @@ def test_swap_under_load_every_answer_from_one_model_version_pair(tmp_path, e5_m
         assert tail and set(tail) == {("multilingual-e5-small", "v2")}, [(i, x) for i, x in enumerate(seen[after:]) if x[1] != "multilingual-e5-small"][:10]
         reload = httpx.post(base + "/v1/indexes/live/reload").json()
         assert reload["version"] == "v2" and reload["model"] == "multilingual-e5-small"
+        # nothing written since the swap: the rollback is a move of CURRENT, and the server answers
+        # from the old pair again
+        t0 = time.perf_counter()
+        back = rollback(IndexStore(root), "live")
+        assert time.perf_counter() - t0 < 1.0 and back["carried"] == 0
+        r = httpx.post(base + "/v1/search", json={"index": "live", "query": docs[0].text[:80], "top_k": 3}).json()
+        assert (r["model"], r["version"]) == ("all-MiniLM-L6-v2", "v1") and r["data"][0]["id"] == docs[0].id
     finally:
         proc.terminate()
         proc.wait(30)

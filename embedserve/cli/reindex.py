@@ -18,7 +18,8 @@ def register(subparsers) -> None:
                               "swapped atomically; --rollback undoes the last one")
     p.add_argument("--index", required=True, dest="name", help="the index to migrate")
     p.add_argument("--to-model", help="bundled model name or local HF directory")
-    p.add_argument("--rollback", action="store_true", help="make the version the last migration replaced live again")
+    p.add_argument("--rollback", action="store_true", help="make the version the last migration replaced live again, carrying over the "
+                   "writes made since the swap (re-embedded with that version's model)")
     p.add_argument("--dry-run", action="store_true", help="build and verify the new version, but do not swap")
     p.add_argument("--sample", type=int, default=1000, help="documents the gate checks as their own top hit")
     p.add_argument("--batch-docs", type=int, default=256, help="documents per embedded, checkpointed batch")
@@ -43,13 +44,13 @@ def _embedder(model: str, dtype: str):
 
 def cmd_reindex(args) -> int:
     from index.store import IndexStore
-    from migrations.reindex import reindex, rollback
+    from migrations.reindex import reindex
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = IndexStore(index_root(args.index_dir))
     try:
         if args.rollback:
-            _print(rollback(store, args.name))
+            _print(_rollback(store, args.name, args.dtype, args.batch_docs))
             return 0
         if not args.to_model:
             print("embedserve reindex: error: --to-model is required (or --rollback)", file=sys.stderr)
@@ -84,6 +85,19 @@ def _engine(args, precision: str):
     from ..embedders import load_embedder
     return RayEngine(load_embedder, (args.to_model, precision), address=args.ray_address,
                      actors=args.ray_actors, cpus_per_actor=args.ray_cpus_per_actor)
+
+
+def _rollback(store, name: str, dtype: str, batch_docs: int) -> dict:
+    """Roll back, loading the parent version's model only when documents written since the swap
+    need re-embedding (else it is a move of `CURRENT`, under a second)."""
+    from migrations.reindex import rollback, writes_since_swap
+    pending = writes_since_swap(store, name)
+    embedder = None
+    if pending["texts"]:
+        logging.getLogger(__name__).info("%d document(s) written since the swap need %s: loading it",
+                                         pending["texts"], pending["model"])
+        embedder = _embedder(pending["model"], dtype)
+    return rollback(store, name, embedder, batch_docs=batch_docs)
 
 
 def _old_embedder(store, name: str, dtype: str):
