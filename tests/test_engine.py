@@ -12,7 +12,6 @@ from embedserve.api.errors import status_for
 from embedserve.engine.embed_engine import EmbedEngine, EmbedEngineConfig
 from embedserve.engine.batch_queue import EmbedRequest, RequestStatus, TokenBudgetQueue
 from embedserve.errors import OverloadedError, ValidationError
-from embedserve.models.embedding_model import EmbedOutput
 
 
 def _req(lengths, on_done=lambda r: None):
@@ -44,17 +43,20 @@ def test_batches_respect_budget_keep_fifo_and_drop_cancelled(reqs, budget, max_s
     assert q.num_tokens == 0
 
 
-class FakeModel:
-    """Embeds token lists to a vector that encodes the list, records every batch."""
+class Slow:
+    """The real MiniLM, recording each batch's input lengths and taking `delay` seconds more per
+    batch (a slow model, so requests queue behind it)."""
 
-    def __init__(self, delay=0.0):
-        self.batches = []
-        self.delay = delay
+    def __init__(self, model, delay=0.0):
+        self.model, self.delay, self.batches = model, delay, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
 
     def embed(self, batch, want):
         self.batches.append([len(x) for x in batch])
         time.sleep(self.delay)
-        return [EmbedOutput(dense=np.array([len(x), x[0]], np.float32)) for x in batch], sum(map(len, batch))
+        return self.model.embed(batch, want)
 
 
 def _engine(model, **kw):
@@ -63,36 +65,10 @@ def _engine(model, **kw):
     return eng
 
 
-def test_large_request_spreads_over_batches_and_returns_in_order():
-    model = FakeModel()
-    eng = _engine(model, max_batch_tokens=100, max_batch_size=4, max_queued_tokens=10_000)
-    done = threading.Event()
-    r = EmbedRequest(inputs=[[i] * (10 + i) for i in range(20)], want=frozenset({"dense"}),
-                     on_done=lambda r: done.set())
-    eng.submit(r)
-    assert done.wait(10)
-    eng.stop()
-    assert len(model.batches) > 1
-    assert all(sum(b) <= 100 and len(b) <= 4 for b in model.batches)
-    assert [int(o.dense[1]) for o in r.outputs] == list(range(20))
-    assert r.status is RequestStatus.FINISHED
-
-
 def test_real_model_request_spreads_over_batches_and_equals_each_input_alone(minilm_model):
-    """The same with the real MiniLM (fp32): every batch within the budget, outputs in request
-    order and equal to each input embedded on its own."""
-    class Recording:
-        def __init__(self, model):
-            self.model, self.batches = model, []
-
-        def __getattr__(self, name):
-            return getattr(self.model, name)
-
-        def embed(self, batch, want):
-            self.batches.append([len(x) for x in batch])
-            return self.model.embed(batch, want)
-
-    model = Recording(minilm_model)
+    """A request larger than the budget, with the real MiniLM (fp32): every batch within the
+    budget and the batch size, outputs in request order and equal to each input embedded on its own."""
+    model = Slow(minilm_model)
     ids = minilm_model.tokenize([f"Sentence {i} about the river " + "and the sea " * i for i in range(20)])
     eng = _engine(model, max_batch_tokens=128, max_batch_size=4, max_queued_tokens=10_000)
     done = threading.Event()
@@ -101,13 +77,14 @@ def test_real_model_request_spreads_over_batches_and_equals_each_input_alone(min
     assert done.wait(60)
     eng.stop()
     assert len(model.batches) > 1 and all(sum(b) <= 128 and len(b) <= 4 for b in model.batches)
+    assert r.status is RequestStatus.FINISHED
     for i, out in enumerate(r.outputs):
         alone = minilm_model.embed([ids[i]], {"dense"})[0][0].dense
         np.testing.assert_allclose(out.dense, alone, atol=1e-5)
 
 
-def test_overload_is_refused_with_retry_after():
-    model = FakeModel(delay=0.3)
+def test_overload_is_refused_with_retry_after(minilm_model):
+    model = Slow(minilm_model, delay=0.3)
     eng = _engine(model, max_batch_tokens=64, max_batch_size=8, max_queued_tokens=128,
                   max_concurrent_requests=3)
     eng.submit(_req([60]))
@@ -120,8 +97,8 @@ def test_overload_is_refused_with_retry_after():
     eng.stop()
 
 
-def test_queued_tokens_limit():
-    model = FakeModel(delay=0.3)
+def test_queued_tokens_limit(minilm_model):
+    model = Slow(minilm_model, delay=0.3)
     eng = _engine(model, max_batch_tokens=64, max_batch_size=8, max_queued_tokens=100)
     eng.submit(_req([50]))
     time.sleep(0.05)
@@ -131,15 +108,15 @@ def test_queued_tokens_limit():
     eng.stop()
 
 
-def test_input_over_batch_budget_is_a_validation_error():
-    eng = _engine(FakeModel(), max_batch_tokens=64, max_queued_tokens=1000)
+def test_input_over_batch_budget_is_a_validation_error(minilm_model):
+    eng = _engine(Slow(minilm_model), max_batch_tokens=64, max_queued_tokens=1000)
     with pytest.raises(ValidationError, match="input 1 has 65 tokens"):
         eng.submit(_req([3, 65]))
     eng.stop()
 
 
-def test_cancelled_request_never_reaches_the_model():
-    model = FakeModel(delay=0.3)
+def test_cancelled_request_never_reaches_the_model(minilm_model):
+    model = Slow(minilm_model, delay=0.3)
     eng = _engine(model, max_batch_tokens=64, max_batch_size=1, max_queued_tokens=1000)
     first = _req([5])
     eng.submit(first)
@@ -153,14 +130,14 @@ def test_cancelled_request_never_reaches_the_model():
     assert eng.metrics.dropped._value.get() == 2
 
 
-def test_model_failure_fails_the_batch_not_the_engine():
-    class Flaky(FakeModel):
+def test_model_failure_fails_the_batch_not_the_engine(minilm_model):
+    class Flaky(Slow):
         def embed(self, batch, want):
             if any(x[0] == 13 for x in batch):
                 raise RuntimeError("boom")
             return super().embed(batch, want)
 
-    eng = _engine(Flaky(), max_batch_tokens=64, max_batch_size=1, max_queued_tokens=1000)
+    eng = _engine(Flaky(minilm_model), max_batch_tokens=64, max_batch_size=1, max_queued_tokens=1000)
     results = []
     bad = EmbedRequest(inputs=[[13, 13]], want=frozenset({"dense"}), on_done=results.append)
     good = EmbedRequest(inputs=[[1, 1]], want=frozenset({"dense"}), on_done=results.append)
@@ -171,4 +148,5 @@ def test_model_failure_fails_the_batch_not_the_engine():
         time.sleep(0.01)
     assert eng.health()
     eng.stop()
-    assert bad.error is not None and good.error is None and good.outputs[0] is not None
+    assert bad.error is not None and good.error is None
+    np.testing.assert_allclose(good.outputs[0].dense, minilm_model.embed([[1, 1]], {"dense"})[0][0].dense, atol=1e-5)

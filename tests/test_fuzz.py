@@ -48,14 +48,14 @@ def fuzz_server(smollm2, minilm_model, tmp_path_factory):
 
 def _cases() -> list:
     """(method, path, mode) of every operation, read from the document (an app without models);
-    invalid cases where there is a body to spoil (a path's `name` is any string: nothing is
-    invalid there, and the valid cases already send hostile names)."""
+    invalid cases wherever there is something to spoil: a body, or an index name in the path
+    (documented with its pattern)."""
     doc = build_app(ServerConfig(generate_model="none")).openapi()
     out = []
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             modes = [GenerationMode.POSITIVE]
-            if "requestBody" in op:
+            if "requestBody" in op or op.get("parameters"):
                 modes.append(GenerationMode.NEGATIVE)
             out += [pytest.param(method.upper(), path, m, id=f"{method.upper()} {path} {m.value}") for m in modes]
     return out

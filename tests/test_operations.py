@@ -78,6 +78,48 @@ def test_a_stalled_or_dead_engine_turns_health_to_503_with_the_cause(minilm_mode
         assert "died" in caplog.text
 
 
+def test_a_stalled_or_dead_generation_engine_turns_health_to_503_with_the_cause(smollm2, minilm_model, caplog):
+    """The same for the decoder's thread, with the real SmolLM2: a step held past --stall-timeout,
+    then the loop itself failing; the request it held gets a 503, not a hang."""
+    from conftest import make_decode_engine
+    from embedserve.engine.generator import Generator
+
+    eng = make_decode_engine(smollm2, num_blocks=64, max_model_len=256, max_num_seqs=4)
+    gen = Generator(name="SmolLM2-135M-Instruct", engine=eng, tokenizer=smollm2[1])
+    app = build_app(ServerConfig(model="all-MiniLM-L6-v2", stall_timeout=0.5), model=minilm_model, generator=gen)
+    ask = {"prompt": "The capital of France is", "max_tokens": 4, "ignore_eos": True}
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200
+        release, real_run = threading.Event(), eng.runner.run
+
+        def held(sched):
+            release.wait(30)
+            return real_run(sched)
+        eng.runner.run = held
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("r", c.post("/v1/completions", json=ask)))
+        t.start()
+        time.sleep(1.2)
+        r = c.get("/health")
+        assert r.status_code == 503 and "decode-engine thread has been busy on one model call" in r.text, r.text
+        assert "unhealthy" in caplog.text and "--stall-timeout 0.5" in caplog.text
+        eng.runner.run = real_run
+        release.set()
+        t.join(60)
+        assert done["r"].status_code == 200 and done["r"].json()["usage"]["completion_tokens"] == 4
+        assert c.get("/health").status_code == 200
+
+        def broken():
+            raise RuntimeError("scheduler corrupted")
+        eng.scheduler.has_work = broken                  # outside the step's own error handling: the loop dies
+        r = c.post("/v1/completions", json=ask)
+        assert r.status_code == 503 and "scheduler corrupted" in r.json()["error"]["message"], r.text
+        r = c.get("/health")
+        assert r.status_code == 503 and "decode-engine thread has stopped (RuntimeError: scheduler corrupted)" in r.text
+        assert "scheduler corrupted" in caplog.text
+        assert c.get("/ready").status_code == 200         # loaded: readiness is not liveness
+
+
 # ----------------------------------------------------------------------------- servers
 def _serve(*args, env=None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
@@ -257,6 +299,39 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path
         assert ix.counts()["documents"] == 250
         report = verify_index(ix)
         assert report.ok, report
+
+
+def test_shutdown_timeout_cuts_off_what_still_runs_and_exits_0():
+    """--shutdown-timeout 1 with a generation of ~20 s in flight: the server gives up on it after
+    the timeout (logged), the stream ends without [DONE], and the process still exits 0 quickly."""
+    proc, base = _serve("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--kv-cache-memory", "100000000",
+                        "--max-model-len", "2048", "--shutdown-timeout", "1")
+    try:
+        streamed, started = {"chunks": []}, threading.Event()
+
+        def stream():
+            try:
+                with httpx.stream("POST", base + "/v1/completions", timeout=120, json={
+                        "prompt": "Rivers of Europe:", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            streamed["chunks"].append(line[6:])
+                            started.set()
+            except httpx.HTTPError as exc:                 # the server closed the connection mid-stream
+                streamed["error"] = exc
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert time.monotonic() - t0 < 15                  # 1 s of drain + uvicorn's 5 s for connections
+        t.join(60)
+        assert "[DONE]" not in streamed["chunks"] and len(streamed["chunks"]) < 1500
+        out = proc.stdout.read()
+        assert "--shutdown-timeout reached: 1 requests still in flight are cut off" in out, out[-3000:]
+    finally:
+        _stop(proc)
 
 
 # ----------------------------------------------------------------------------- disconnects

@@ -374,8 +374,10 @@ async def _collect(request: Request, reply: _Reply, queue: asyncio.Queue, seq_id
         raise
     finally:
         gone.cancel()
-    if ev.finish_reason == "error":
-        raise UnavailableError("generation failed on the server; retry", retry_after=1)
+    if ev.finish_reason == "error":           # a failed step (retry), or the engine's thread died (why)
+        problem = reply.gen.health_problem()
+        raise UnavailableError("generation failed on the server" + (f": {problem}" if problem else "; retry"),
+                               retry_after=1)
     return JSONResponse(reply.whole("".join(parts), ev, logprobs))
 
 

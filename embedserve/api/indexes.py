@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 from starlette.concurrency import run_in_threadpool
@@ -36,13 +36,18 @@ logger = logging.getLogger(__name__)
 
 _BOUND = " and its indexes are bound to it"      # said when a request names a model not served
 
+# what `index.store.check_name` accepts, for the document (the route checks it, with its own message)
+_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$",
+         "description": "1-64 letters, digits, '_', '.' or '-', not starting with '.'"}
+_NAME_IN_PATH = Path(json_schema_extra=_NAME)
+
 
 class CreateIndexRequest(BaseModel):
     """POST /v1/indexes."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    name: Any
+    name: Any = Field(..., json_schema_extra=_NAME)
     model: str | None = None
     dense: Literal["flat", "hnsw"] = "flat"
     hnsw_m: StrictInt = 32
@@ -86,7 +91,7 @@ class SearchRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    index: Any
+    index: Any = Field(..., json_schema_extra=_NAME)
     query: str = Field(..., min_length=1)
     model: str | None = None
     top_k: StrictInt = 10
@@ -268,7 +273,7 @@ def build_router(state: AppState) -> APIRouter:
         return {"object": "list", "data": [{"object": "index", **row} for row in rows]}
 
     @router.get("/v1/indexes/{name}", **route_doc(None, 400, 404, ok=IndexObject))
-    async def get_index(name: str):
+    async def get_index(name: str = _NAME_IN_PATH):
         check_name(name)
         ix = await run_in_threadpool(indexes.get, name, None)
         info = _index_object(await run_in_threadpool(ix.describe))
@@ -277,7 +282,7 @@ def build_router(state: AppState) -> APIRouter:
         return info
 
     @router.post("/v1/indexes/{name}/reload", **route_doc(None, 400, 404, 409, ok=IndexReload))
-    async def reload_index(name: str):
+    async def reload_index(name: str = _NAME_IN_PATH):
         """Pick up a moved `CURRENT` now (every request also checks it): the live version and the
         served model that will answer for it."""
         ix = await run_in_threadpool(indexes.get, check_name(name), None)
@@ -286,7 +291,7 @@ def build_router(state: AppState) -> APIRouter:
         return {"object": "index.reload", "name": name, "version": ix.version, "model": model, "mismatch": why}
 
     @router.delete("/v1/indexes/{name}", **route_doc(None, 400, 404, ok=IndexDeleted))
-    async def delete_index(name: str):
+    async def delete_index(name: str = _NAME_IN_PATH):
         await run_in_threadpool(indexes.delete, check_name(name))
         return {"object": "index.deleted", "name": name, "deleted": True}
 
@@ -299,7 +304,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
     indexes = state.indexes
 
     @router.post("/v1/indexes/{name}/documents", **route_doc(UpsertRequest, 404, 409, ok=UpsertResponse))
-    async def upsert_documents(name: str, request: Request):
+    async def upsert_documents(request: Request, name: str = _NAME_IN_PATH):
         check_name(name)
         body = await parse_body(request, UpsertRequest)
         state.require_embedder()
@@ -321,7 +326,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         return {"object": "index.upsert", **result.to_dict()}
 
     @router.delete("/v1/indexes/{name}/documents", **route_doc(DeleteDocumentsRequest, 404, 409, ok=DeleteDocumentsResponse))
-    async def delete_documents(name: str, request: Request):
+    async def delete_documents(request: Request, name: str = _NAME_IN_PATH):
         check_name(name)
         body = await parse_body(request, DeleteDocumentsRequest)
         ix = await run_in_threadpool(indexes.get, name, None)
