@@ -18,6 +18,7 @@ import json
 import logging
 import sqlite3
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -62,6 +63,22 @@ class Checkpoint:
             return cls(**json.loads((version_dir / CHECKPOINT).read_text()))
         except (OSError, ValueError, TypeError):
             return None
+
+
+@contextmanager
+def _writers_held_off(version_dir: Path):
+    """The version's temp lock, then SQLite's write lock on its doc store — the order a snapshot
+    takes them, so a server snapshotting it meanwhile cannot deadlock with us: writers to it
+    wait, readers go on. Yields the connection holding the lock (nothing is written through it)."""
+    with file_lock(version_dir / TEMP_LOCK):
+        lock = sqlite3.connect(str(version_dir / DB_NAME), timeout=60, isolation_level=None)
+        try:
+            lock.execute("BEGIN IMMEDIATE")
+            yield lock
+        finally:
+            if lock.in_transaction:
+                lock.execute("ROLLBACK")
+            lock.close()
 
 
 def _write_in_version(version_dir: Path, name: str, text: str) -> None:
@@ -177,27 +194,18 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
 
 
 def _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report: GateReport) -> None:
-    """The last catch-up and the swap, with writers to the live version held off. Locks are
-    taken in the order an index's snapshot takes them (the version's temp lock, then SQLite's),
-    so a server snapshotting the live version meanwhile cannot deadlock with us."""
-    with file_lock(old.path / TEMP_LOCK):
-        lock = sqlite3.connect(str(old.path / DB_NAME), timeout=60, isolation_level=None)
-        try:
-            lock.execute("BEGIN IMMEDIATE")                   # writers wait; readers go on
-            _copy(old, new, embedder, ck, new_dir, batch_docs, None)
-            _drop_deleted(old, new)
-            n_old, n_new = old.docs.counts()["documents"], new.docs.counts()["documents"]
-            if n_old != n_new:
-                report.check("counts_at_swap", False, f"live {n_old}, new {n_new}")
-                raise GateFailed(f"counts differ at the swap (live {n_old}, new {n_new}); nothing swapped", report)
-            new.snapshot()
-            ck.swap_seq = new.docs.seq()              # a rollback carries back the writes after it
-            atomic_write(old.path / RETIRED, f"{new.version}\n".encode())   # we hold its temp lock
-            store.set_current(name, new.version)
-        finally:
-            if lock.in_transaction:
-                lock.execute("ROLLBACK")              # nothing was written through it: only the lock
-            lock.close()
+    """The last catch-up and the swap, with writers to the live version held off."""
+    with _writers_held_off(old.path):
+        _copy(old, new, embedder, ck, new_dir, batch_docs, None)
+        _drop_deleted(old, new)
+        n_old, n_new = old.docs.counts()["documents"], new.docs.counts()["documents"]
+        if n_old != n_new:
+            report.check("counts_at_swap", False, f"live {n_old}, new {n_new}")
+            raise GateFailed(f"counts differ at the swap (live {n_old}, new {n_new}); nothing swapped", report)
+        new.snapshot()
+        ck.swap_seq = new.docs.seq()              # a rollback carries back the writes after it
+        atomic_write(old.path / RETIRED, f"{new.version}\n".encode())   # we hold its temp lock
+        store.set_current(name, new.version)
 
 
 def _entry(name, old_manifest, live, version, embedder, ck: Checkpoint, report: GateReport, t0: float) -> dict:
@@ -214,38 +222,69 @@ def rollback(store: IndexStore, name: str, embedder=None, *, batch_docs: int = 2
     """Move `CURRENT` back to the version the last migration replaced, carrying over the writes
     made to the live version since the swap (documents added or changed: re-embedded by
     `embedder`, the parent's model, needed only when some text changed, see `writes_since_swap`;
-    metadata changes and deletions need no model). With nothing written since the swap it takes
-    well under a second. Recorded in the ledger."""
+    metadata changes and deletions need no model). With nothing written since the swap it is a
+    move of `CURRENT` under the write lock, well under a second. Recorded in the ledger."""
     index_dir = store.index_dir(name)
     with migration_lock(index_dir, name):
         live = store.current(name)
         last = _last_migration(store, name, live)
         parent, since = last["parent"], last.get("swap_seq", 0)
         t0 = time.time()
-        parent_dir = store.version_dir(name, parent)
-        (parent_dir / RETIRED).unlink(missing_ok=True)     # it takes the writes we carry back
-        cur = store.open(name, version=live)
-        back = store.open(name, version=parent)
-        swapped = False
-        try:
-            upto, carried = since, 0
-            for _ in range(5):                              # until the gap is small, then under the lock
-                moved, upto = _carry(cur, back, upto, embedder, batch_docs)
-                carried += moved
-                if moved <= batch_docs:
-                    break
-            carried += _swap_back_under_write_lock(store, name, cur, back, upto, embedder, batch_docs)
-            swapped = True
-        finally:
-            cur.close(snapshot=False)
-            back.close()
-            if not swapped:                                 # the parent stays out of service
-                _write_in_version(parent_dir, RETIRED, f"{live}\n")
+        carried = 0 if _move_back_if_untouched(store, name, live, parent, since) else \
+            _carry_back(store, name, live, parent, since, embedder, batch_docs)
         entry = {"kind": "rollback", "index": name, "parent": live, "version": parent,
                  "from_model": last["to_model"], "to_model": last["from_model"], "carried": carried,
                  "finished_at": _iso(time.time()), "seconds": round(time.time() - t0, 4)}
         ledger.append(index_dir, entry)
         return entry
+
+
+def _move_back_if_untouched(store: IndexStore, name: str, live: str, parent: str, since: int) -> bool:
+    """If nothing was written to `live` since the swap (its doc store's sequence number is still
+    `since`), make `parent` live again, holding writers off while we look; else False."""
+    live_dir = store.version_dir(name, live)
+    with _writers_held_off(live_dir) as lock:
+        if since == 0 or int(lock.execute("SELECT value FROM meta WHERE key='seq'").fetchone()[0]) != since:
+            return False
+        (store.version_dir(name, parent) / RETIRED).unlink(missing_ok=True)
+        atomic_write(live_dir / RETIRED, f"{parent}\n".encode())        # we hold its temp lock
+        store.set_current(name, parent)
+        return True
+
+
+def _carry_back(store: IndexStore, name: str, live: str, parent: str, since: int, embedder,
+                batch_docs: int) -> int:
+    """Copy the writes made to `live` after its write `since` into `parent` (passes until the
+    gap is small, the last under the write lock), then make `parent` live; returns the
+    documents carried. On failure `parent` stays retired and `live` live."""
+    parent_dir = store.version_dir(name, parent)
+    (parent_dir / RETIRED).unlink(missing_ok=True)          # it takes the writes we carry back
+    cur = store.open(name, version=live)
+    back = store.open(name, version=parent)
+    swapped = False
+    try:
+        upto, carried = since, 0
+        for _ in range(5):
+            moved, upto = _carry(cur, back, upto, embedder, batch_docs)
+            carried += moved
+            if moved <= batch_docs:
+                break
+        with _writers_held_off(cur.path):
+            moved, _ = _carry(cur, back, upto, embedder, batch_docs)
+            n_cur, n_back = cur.docs.counts()["documents"], back.docs.counts()["documents"]
+            if n_cur != n_back:
+                raise MigrationError(f"counts differ after carrying the writes back (live {n_cur}, "
+                                     f"{parent} {n_back}); nothing rolled back", code="rollback_counts")
+            back.snapshot()
+            atomic_write(cur.path / RETIRED, f"{parent}\n".encode())    # we hold its temp lock
+            store.set_current(name, parent)
+            swapped = True
+        return carried + moved
+    finally:
+        cur.close(snapshot=False)
+        back.close()
+        if not swapped:                                      # the parent stays out of service
+            _write_in_version(parent_dir, RETIRED, f"{live}\n")
 
 
 def writes_since_swap(store: IndexStore, name: str) -> dict:
@@ -300,28 +339,6 @@ def _carry(src: Index, dst: Index, after: int, embedder, batch_docs: int) -> tup
         after = rows[-1][0]
         moved += len(rows)
     return moved + _drop_deleted(src, dst), after
-
-
-def _swap_back_under_write_lock(store, name, cur: Index, back: Index, upto: int, embedder, batch_docs: int) -> int:
-    """The last carry and the move of `CURRENT` with writers to the live version held off (locks
-    in a snapshot's order, as for the swap); returns the documents this last pass carried."""
-    with file_lock(cur.path / TEMP_LOCK):
-        lock = sqlite3.connect(str(cur.path / DB_NAME), timeout=60, isolation_level=None)
-        try:
-            lock.execute("BEGIN IMMEDIATE")
-            moved, _ = _carry(cur, back, upto, embedder, batch_docs)
-            n_cur, n_back = cur.docs.counts()["documents"], back.docs.counts()["documents"]
-            if n_cur != n_back:
-                raise MigrationError(f"counts differ after carrying the writes back (live {n_cur}, "
-                                     f"{back.version} {n_back}); nothing rolled back", code="rollback_counts")
-            back.snapshot()
-            atomic_write(cur.path / RETIRED, f"{back.version}\n".encode())     # we hold its temp lock
-            store.set_current(name, back.version)
-            return moved
-        finally:
-            if lock.in_transaction:
-                lock.execute("ROLLBACK")
-            lock.close()
 
 
 def prune(store: IndexStore, name: str, keep: int) -> list[str]:
