@@ -42,6 +42,7 @@ CFLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp", "-ffast-math")
 LDFLAGS = ("-shared", "-fopenmp")
 _VARLEN_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                 ctypes.c_float, ctypes.c_int]
+_ADD_LN_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_float, ctypes.c_int]
@@ -128,6 +129,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     for name in ("varlen_attention_f32", "varlen_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _VARLEN_ARGS, ctypes.c_int
+    for name in ("add_layer_norm_f32", "add_layer_norm_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _ADD_LN_ARGS, ctypes.c_int
     return lib, None
 
 
@@ -198,3 +202,31 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int
     if rc != 0:
         raise RuntimeError(f"cpu varlen attention failed (code {rc})")
     return out
+
+
+def add_layer_norm_supports(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
+    """(T, H) float32 or bfloat16 CPU tensors of one dtype, H at most 4,096."""
+    return (x.device.type == "cpu" and x.dtype in _FUNCS and x.dim() == 2 and x.shape == y.shape
+            and x.shape[1] <= 4096 and all(t.dtype == x.dtype and t.device.type == "cpu" for t in (y, weight, bias))
+            and weight.shape == bias.shape == (x.shape[1],))
+
+
+def add_layer_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """`F.layer_norm(x + y, (H,), weight, bias, eps)` for (T, H) tensors, in one pass: the sum
+    rounded to the dtype as torch's would be, statistics in float32."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are not available: {why}")
+    if not add_layer_norm_supports(x, y, weight, bias):
+        raise ValueError("cpu add_layer_norm: x, y (T, H) and weight, bias (H,) must share float32 or bfloat16 "
+                         "on the CPU, H <= 4096")
+    x, y, weight, bias = x.contiguous(), y.contiguous(), weight.contiguous(), bias.contiguous()
+    out = torch.empty_like(x)
+    name = "add_layer_norm_f32" if x.dtype == torch.float32 else "add_layer_norm_bf16"
+    rc = getattr(lib, name)(x.data_ptr(), y.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                            x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"cpu add_layer_norm failed (code {rc})")
+    return out
+

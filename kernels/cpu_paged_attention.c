@@ -1,5 +1,5 @@
-/* CPU attention kernels: paged decode attention, and encoder attention over packed sequences
- * (at the end of the file).
+/* CPU kernels: paged decode attention, encoder attention over packed sequences, and the
+ * encoder's residual add + LayerNorm in one pass (the last two at the end of the file).
  *
  * Paged decode attention: one query token per sequence reads its K/V straight from
  * the paged cache through its block table (no gather copy), all query heads of a KV head at
@@ -31,9 +31,9 @@ static inline float bf16_to_f32(uint16_t v) {
 static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch does */
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = ((u >> 16) | 0x40u) & 0xffffu;                           /* NaN stays NaN */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);   /* branch-free: vectorizes */
 }
 
 static inline void load_f32(const float *src, float *dst, int64_t n) {
@@ -228,3 +228,41 @@ DEFINE_HEAD(varlen_head_f32, float, load_f32, store_f32)
 DEFINE_HEAD(varlen_head_bf16, uint16_t, load_bf16, store_bf16)
 DEFINE_VARLEN(varlen_attention_f32, varlen_head_f32, float)
 DEFINE_VARLEN(varlen_attention_bf16, varlen_head_bf16, uint16_t)
+
+/* ---------------------------------------------------------------------------------------------
+ * The encoder's residual and LayerNorm in one pass: out[t] = LN(x[t] + y[t]) * w + b over the
+ * H features of each of `rows` tokens. The sum is rounded to T first (what torch's `x + y` gives
+ * in that dtype), mean and variance in float32, the result rounded once. torch runs these as an
+ * add and a layer_norm, each a pass over (T, H) in memory, ~0.36 ms for MiniLM's 3,600 x 384 in
+ * bf16 against ~0.05 ms here (memory-bound).
+ */
+#define MAX_H 4096
+static inline float round_f32(float v) { return v; }
+static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+#define DEFINE_ADD_LN(NAME, T, LOAD, STORE, ROUND)                                                    \
+int NAME(const T *x, const T *y, const T *w, const T *b, T *out, int64_t rows, int64_t H, float eps, \
+         int num_threads) {                                                                         \
+    if (H > MAX_H) return -1;                                                                       \
+    float wf[MAX_H], bf[MAX_H];                                                                     \
+    LOAD(w, wf, H);                                                                                 \
+    LOAD(b, bf, H);                                                                                 \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                          \
+    for (int64_t t = 0; t < rows; t++) {                                                            \
+        float v[MAX_H], u[MAX_H];                                                                   \
+        LOAD(x + t * H, v, H);                                                                      \
+        LOAD(y + t * H, u, H);                                                                      \
+        float sum = 0.f;                                                                            \
+        for (int64_t i = 0; i < H; i++) { v[i] = ROUND(v[i] + u[i]); sum += v[i]; }                 \
+        const float mean = sum / (float)H;                                                          \
+        float var = 0.f;                                                                            \
+        for (int64_t i = 0; i < H; i++) { const float d = v[i] - mean; var += d * d; }              \
+        const float rstd = 1.f / sqrtf(var / (float)H + eps), shift = -rstd * mean;                 \
+        for (int64_t i = 0; i < H; i++) v[i] = (v[i] * rstd + shift) * wf[i] + bf[i];  /* torch's */ \
+        STORE(out + t * H, v, H);                                                                   \
+    }                                                                                               \
+    return 0;                                                                                       \
+}
+
+DEFINE_ADD_LN(add_layer_norm_f32, float, load_f32, store_f32, round_f32)
+DEFINE_ADD_LN(add_layer_norm_bf16, uint16_t, load_bf16, store_bf16, round_bf16)

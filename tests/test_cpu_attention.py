@@ -146,3 +146,35 @@ def test_encoder_with_the_kernel_equals_the_padded_sdpa_path(monkeypatch, minilm
     assert plan.computed_tokens == sum(lens) < padded
     monkeypatch.setattr(enc_mod, "_varlen_kernel_runs", lambda qkv, nh: False)
     torch.testing.assert_close(kernel, enc(ids, pos, AttentionPlan.build(lens)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H", [(1, 16), (37, 384), (300, 1024), (5, 4096)])
+def test_add_layer_norm_equals_torch(dtype, T, H):
+    """layer_norm(x + y) in one pass: fp32 within float rounding; bf16 the sum rounded as torch's
+    `x + y` is, then at most one bf16 step from torch's result."""
+    g = torch.Generator().manual_seed(T * H)
+    x, y = (3 * torch.randn(T, H, generator=g)).to(dtype), torch.randn(T, H, generator=g).to(dtype)
+    w, b = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype), (0.1 * torch.randn(H, generator=g)).to(dtype)
+    ours = cpu_attention.add_layer_norm(x, y, w, b, 1e-12)
+    ref = torch.nn.functional.layer_norm(x + y, (H,), w, b, 1e-12)
+    assert ours.dtype == dtype and ours.shape == (T, H)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    else:
+        exact = torch.nn.functional.layer_norm((x + y).double(), (H,), w.double(), b.double(), 1e-12)
+        assert (ours.double() - exact).abs().max() <= (ref.double() - exact).abs().max() * 2 + 1e-2
+        assert (ours != ref).float().mean() < 0.01            # torch's result in all but a few
+
+
+def test_add_layer_norm_refuses_what_it_cannot_run():
+    x = torch.randn(4, 8)
+    assert not cpu_attention.add_layer_norm_supports(x, x.half(), torch.ones(8), torch.zeros(8))
+    assert not cpu_attention.add_layer_norm_supports(x, x, torch.ones(7), torch.zeros(7))
+    assert not cpu_attention.add_layer_norm_supports(torch.randn(2, 5000), torch.randn(2, 5000),
+                                                     torch.ones(5000), torch.zeros(5000))
+    if WHY is None:
+        with pytest.raises(ValueError, match="H <= 4096"):
+            cpu_attention.add_layer_norm(x, x, torch.ones(7), torch.zeros(7), 1e-5)
+

@@ -249,7 +249,8 @@ def profile_embed(model_name: str, dtype: str, num_texts: int, repeats: int = 5)
         embed_ms, (outs, computed) = timed(model.embed, ids, want)
         from kernels import cpu_attention
         patches: list = []
-        _wrap(cpu_attention, "varlen_attention", "es::cpu_attention", patches)   # not an aten op
+        _wrap(cpu_attention, "varlen_attention", "es::cpu_attention", patches)   # not aten ops
+        _wrap(cpu_attention, "add_layer_norm", "es::cpu_add_layer_norm", patches)
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(repeats):
@@ -259,10 +260,11 @@ def profile_embed(model_name: str, dtype: str, num_texts: int, repeats: int = 5)
             _restore(patches)
     events = prof.events()
     fam_ms, op_ms, op_calls = _ops_by_family(events, "es::forward", repeats)
-    kernel_ms = sum(e.time_range.end - e.time_range.start for e in events
-                    if e.name == "es::cpu_attention") / 1e3 / repeats
-    if kernel_ms:
-        fam_ms["attention (C kernel)"] = kernel_ms
+    for label, family in (("es::cpu_attention", "attention (C kernel)"),
+                          ("es::cpu_add_layer_norm", "residual add + layer norm (C kernel)")):
+        kernel_ms = sum(e.time_range.end - e.time_range.start for e in events if e.name == label) / 1e3 / repeats
+        if kernel_ms:
+            fam_ms[family] = kernel_ms
     # the remainder against the forward's wall time under the profiler (op self times are inflated by it)
     fwd_prof_ms = sum(e.time_range.end - e.time_range.start for e in events if e.name == "es::forward") / 1e3 / repeats
     fam_ms["Python and dispatch (forward wall − op self time)"] = max(fwd_prof_ms - sum(fam_ms.values()), 0.0)
