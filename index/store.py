@@ -27,7 +27,8 @@ from .manifest import MANIFEST, DenseConfig, Manifest, ModelIdentity
 
 logger = logging.getLogger(__name__)
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$"     # 1-64 of these, not starting with '.'
+NAME_RE = re.compile(NAME_PATTERN)
 VERSION_RE = re.compile(r"^v[0-9]{1,9}$")
 CURRENT = "CURRENT"
 STALE_TEMP_S = 600.0
@@ -35,7 +36,7 @@ STALE_TEMP_S = 600.0
 
 def check_name(name) -> str:
     """Return `name` if it is a valid index name, else a ValidationError (HTTP 400)."""
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.startswith("."):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValidationError(f"index name {name!r} is not allowed: use 1-64 letters, digits, '_', '.' or '-', "
                               "not starting with '.' (a name, not a path)", param="name", code="invalid_index_name")
     return name

@@ -23,7 +23,7 @@ from index.docstore import Document
 from index.embedder import DocumentVectors, document_types, query_types
 from index.manifest import DenseConfig
 from index.search import DEFAULT_WEIGHTS, Query
-from index.store import check_name
+from index.store import NAME_PATTERN, check_name
 
 from ..embedders import ModelEmbedder, token_batches
 from ..errors import ValidationError
@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 _BOUND = " and its indexes are bound to it"      # said when a request names a model not served
 
-# what `index.store.check_name` accepts, for the document (the route checks it, with its own message)
-_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$",
+# what `check_name` accepts, for the document (the route checks it, with its own message)
+_NAME = {"type": "string", "pattern": NAME_PATTERN,
          "description": "1-64 letters, digits, '_', '.' or '-', not starting with '.'"}
 _NAME_IN_PATH = Path(json_schema_extra=_NAME)
 
