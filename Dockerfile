@@ -1,7 +1,9 @@
 # embedserve, CPU image. Build:  docker build -t embedserve .
 # Run:    docker run --rm -p 127.0.0.1:8000:8000 -v embedserve-data:/data --stop-timeout 40 embedserve
 # The models are converted at build time into a read-only home, so a container starts without
-# writing to its image; indexes live on the /data volume. `--host 0.0.0.0` is set here only:
+# writing to its image; indexes live on the /data volume, and so does what a container learns
+# about the machine it runs on (the precision probe, the C kernels built with -march=native, the
+# int8 path's compiled code): measured at the first start on a machine, reused by the next. `--host 0.0.0.0` is set here only:
 # inside the container the port is reachable through Docker's mapping, which you bind yourself.
 FROM python:3.11-slim
 
@@ -10,7 +12,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     EMBEDSERVE_HOME=/opt/embedserve/home \
-    EMBEDSERVE_INDEX_DIR=/data/indexes
+    EMBEDSERVE_INDEX_DIR=/data/indexes \
+    EMBEDSERVE_CACHE_DIR=/data/cache \
+    TORCHINDUCTOR_CACHE_DIR=/data/cache/inductor
 
 WORKDIR /opt/embedserve/src
 
@@ -41,7 +45,7 @@ resolve_generate_model('SmolLM2-135M-Instruct')" \
     && chmod -R a+rX /opt/embedserve
 
 RUN useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin embedserve \
-    && mkdir -p /data/indexes && chown -R embedserve /data
+    && mkdir -p /data/indexes /data/cache && chown -R embedserve /data
 VOLUME ["/data"]
 USER 10001
 

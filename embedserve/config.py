@@ -135,17 +135,28 @@ def check_api_key(key: str, where: str) -> str:
     return key
 
 
-def env_default(name: str, default):
-    """`EMBEDSERVE_<NAME>` overrides a field's default, converted to the default's type."""
-    raw = os.environ.get("EMBEDSERVE_" + name.upper())
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_default(name: str, default, kind: str | None = None):
+    """`EMBEDSERVE_<NAME>` overrides a field's default, converted to the field's type (`kind`,
+    the dataclass annotation, else the default's type); a value that does not convert is a
+    ConfigError naming the variable, never a silent default."""
+    var = "EMBEDSERVE_" + name.upper()
+    raw = os.environ.get(var)
     if raw is None:
         return default
-    if isinstance(default, float):
-        return float(raw)
-    if isinstance(default, bool):
-        return raw.lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(raw)
+    kind = kind or type(default).__name__
+    if kind == "bool":
+        if raw.strip().lower() not in _TRUE + _FALSE:
+            raise ConfigError(f"{var}={raw!r} is not a boolean; set it to one of {', '.join(_TRUE + _FALSE)}")
+        return raw.strip().lower() in _TRUE
+    for typ, what in ((int, "a whole number"), (float, "a number")):
+        if kind.split(" |")[0] == typ.__name__:
+            try:
+                return typ(raw)
+            except ValueError:
+                raise ConfigError(f"{var}={raw!r} is not {what}; set it to {what} or unset it") from None
     return raw
 
 

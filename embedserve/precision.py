@@ -32,7 +32,7 @@ import torch
 
 from .config import normalize_dtype
 from .errors import ConfigError
-from .paths import embedserve_home
+from .paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +121,14 @@ class ProbeResult:
 
 
 # Bumped when the compute paths change speed (v2: oneDNN-packed linears, fused GELU, fp32
-# attention for bf16; v3: the C varlen attention kernel): a probe cached by an older version
-# would pick by stale speeds.
-PROBE_VERSION = 3
+# attention for bf16; v3: the C varlen attention kernel; v4: int8 through fbgemm on AVX2-only CPUs,
+# where v3 measured torch._int_mm's slow fallback): a probe cached by an older version would pick
+# by stale speeds.
+PROBE_VERSION = 4
 
 
 def _cache_path(fingerprint: str, device) -> Path:
-    return embedserve_home() / "precision" / f"{fingerprint[:24]}-{machine_key(device)}-v{PROBE_VERSION}.json"
+    return cache_dir() / "precision" / f"{fingerprint[:24]}-{machine_key(device)}-v{PROBE_VERSION}.json"
 
 
 def cached_probe(fingerprint: str, device) -> ProbeResult | None:

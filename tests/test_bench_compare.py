@@ -64,3 +64,41 @@ def test_the_tables_go_between_the_markers(tmp_path, monkeypatch):
     compare.update_benchmarks_md("new table")
     assert (tmp_path / "BENCHMARKS.md").read_text() == \
         "# B\n<!-- make-bench:begin -->\nnew table\n<!-- make-bench:end -->\ntail\n"
+
+
+def _fp32_machine_result() -> dict:
+    """What an AVX2-only CPU produces: `auto` picked fp32, the peers' best is fp32, each run once."""
+    res = _result(infinity_missing=False)
+    for model in compare.EMBED_MODELS:
+        e = res["embeddings"][model]
+        e["ours"] = {"float32": _served(100)}
+        e["infinity"] = {"float32": _served(40)}
+        e["sentence_transformers"] = {"float32": {"texts_per_s": 70.0}}
+        e["in_process"] = {"float32": {"ours": {"tokens_per_s": 6000.0}, "transformers": {"tokens_per_s": 3000.0},
+                                       "precision": {"ours": "float32", "transformers": "float32"}}}
+        res["ceiling"][model]["best"] = dict(res["ceiling"][model]["float32"], dtype="float32")
+    g = res["generation"]
+    for system in ("ours", "vllm", "hf_static"):
+        g[system] = {"float32": g[system]["bfloat16"]}
+    g["rag_prefix_caching"]["dtype"] = "float32"
+    res["ceiling"]["decoder"] = {"params": 135e6, "dtype": "float32", "bytes_per_step": 540e6,
+                                 "steps_per_s_alone": 25, "achieved_gb_per_s": 13.5, "copy_gb_per_s": 20.0,
+                                 "fraction": 0.675}
+    res["cpu_flags"] = ["avx2"]
+    return res
+
+
+def test_a_machine_without_fast_bf16_reports_fp32_once():
+    md = compare.markdown(_fp32_machine_result())
+    assert "1 text/request, 8 clients 2.50×" in md              # ours fp32 100 / infinity fp32 40
+    assert "best (" not in md and "bfloat16" not in md, md
+    assert "| float32 | 16 | 160 (TTFT 100) | 192 (TTFT 100) | 64 | 0.83× | 2.50× |" in md
+    assert md.count("| all-MiniLM-L6-v2 | float32 |") == 1     # one ceiling row, not fp32 twice
+    assert "ours 6000 tokens/s" in md and "transformers 3000" in md
+    assert "Decoder alone (float32, one sequence)" in md and "540 MB read per step" in md
+    assert "one at a time, float32" in md
+
+
+def test_best_of_falls_back_to_fp32():
+    assert compare.best_of({"float32": 1, "best (int8)": 2}) == 2 and compare.best_of({"float32": 1}) == 1
+    assert compare.best_dtype({"float32": 1}) == "float32" and compare.best_dtype({"best (bfloat16)": 1}) == "bfloat16"

@@ -94,3 +94,37 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_environment_fallbacks_yield_to_flags_and_bad_values_name_the_variable():
+    """EMBEDSERVE_<NAME> sets a default, the flag overrides it; a value that does not convert is
+    refused at start-up naming the variable (never a traceback, never a silent default)."""
+    env = dict(os.environ, EMBEDSERVE_MAX_MODEL_LEN="1024", EMBEDSERVE_KV_CACHE_MEMORY="100000000",
+               EMBEDSERVE_DTYPE="float32")
+    r = _run("plan", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "Maximum concurrency for 1024 tokens per request: 2.11x" in r.stdout     # 2160 / 1024
+    assert "memory plan (float32)" in r.stdout
+    r = _run("plan", "--max-model-len", "2048", env=env)
+    assert r.returncode == 0 and "Maximum concurrency for 2048 tokens per request: 1.05x" in r.stdout
+    for var, value, needle in (("EMBEDSERVE_MAX_MODEL_LEN", "lots", "not a whole number"),
+                               ("EMBEDSERVE_SHUTDOWN_TIMEOUT", "30s", "not a number"),
+                               ("EMBEDSERVE_ENABLE_PREFIX_CACHING", "flase", "not a boolean")):
+        r = _run("plan", env=dict(env, **{var: value}))
+        assert r.returncode == 2 and f"{var}={value!r}" in r.stderr and needle in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
+
+def test_boolean_environment_values(monkeypatch):
+    from embedserve.cli import build_parser
+    for raw, want in (("off", False), ("0", False), ("No", False), ("on", True), ("TRUE", True), ("1", True)):
+        monkeypatch.setenv("EMBEDSERVE_ENABLE_PREFIX_CACHING", raw)
+        assert build_parser().parse_args(["serve"]).enable_prefix_caching is want, raw
+    assert build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).enable_prefix_caching is False
+
+
+def test_generate_model_none_as_a_flag_plans_no_decoder():
+    r = _run("plan", "--dtype", "float32", "--generate-model", "none")
+    assert r.returncode == 0, r.stderr
+    assert "memory plan (float32)" in r.stdout and "KV cache" not in r.stdout, r.stdout

@@ -91,6 +91,23 @@ def test_read_only_home_builds_into_a_temp_folder(monkeypatch, tmp_path):
         cpu_attention._library.cache_clear()
 
 
+def test_a_cache_dir_beside_a_read_only_home_keeps_the_build(monkeypatch, tmp_path):
+    """EMBEDSERVE_CACHE_DIR (the image's /data/cache volume) holds the build, so the next start
+    on this machine loads it instead of compiling again."""
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    monkeypatch.setenv("EMBEDSERVE_HOME", str(home))
+    monkeypatch.setenv("EMBEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_attention.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    cpu_attention._library.cache_clear()
+    try:
+        assert cpu_attention.available() is None
+        assert len(list((tmp_path / "cache" / "kernels").glob("cpu_paged_attention-*.so"))) == 1
+        assert not (tmp_path / "tmp").exists()
+    finally:
+        cpu_attention._library.cache_clear()
+
+
 def _varlen_reference(qkv, lens, nh):
     """Each sequence alone through SDPA in float64."""
     T, three_h = qkv.shape
@@ -135,6 +152,7 @@ def test_encoder_with_the_kernel_equals_the_padded_sdpa_path(monkeypatch, minilm
     from embedserve.models import encoder as enc_mod
     from embedserve.models.encoder import AttentionPlan, load_encoder
 
+    monkeypatch.setattr(cpu_attention, "varlen_preferred", lambda: True)   # on an AVX2-only CPU too
     enc = load_encoder(minilm_dir, "float32")
     g = torch.Generator().manual_seed(3)
     lens = [40, 33, 31, 9, 2, 1]
@@ -146,6 +164,20 @@ def test_encoder_with_the_kernel_equals_the_padded_sdpa_path(monkeypatch, minilm
     assert plan.computed_tokens == sum(lens) < padded
     monkeypatch.setattr(enc_mod, "_varlen_kernel_runs", lambda qkv, nh: False)
     torch.testing.assert_close(kernel, enc(ids, pos, AttentionPlan.build(lens)), rtol=1e-4, atol=1e-4)
+
+
+def test_the_encoder_takes_the_varlen_kernel_only_where_avx512_is(monkeypatch):
+    """Measured: the kernel wins with AVX-512 and loses 4-10x to SDPA with AVX2 only."""
+    for flags, want in (("flags\t: fma avx avx2", False), ("flags\t: avx2 avx512f avx512_bf16", True)):
+        monkeypatch.setattr(cpu_attention, "_cpu_id", lambda flags=flags: "model name\t: X\n" + flags)
+        monkeypatch.delenv(cpu_attention.ENV, raising=False)
+        cpu_attention.varlen_preferred.cache_clear()
+        assert cpu_attention.varlen_preferred() is want, flags
+    monkeypatch.setenv(cpu_attention.ENV, "c")
+    cpu_attention.varlen_preferred.cache_clear()
+    assert cpu_attention.varlen_preferred() is True
+    monkeypatch.undo()
+    cpu_attention.varlen_preferred.cache_clear()
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")

@@ -36,6 +36,11 @@ def test_dockerfile_runs_as_non_root_with_models_built_in_and_a_healthcheck():
     binds = [line for line in DOCKERFILE.splitlines() if "0.0.0.0" in line and not line.startswith("#")]
     assert len(binds) == 1 and binds[0].startswith("ENTRYPOINT")     # all interfaces: in the container only
     assert "torch==2.13.0" in DOCKERFILE and "whl/cpu" in DOCKERFILE
+    # what a container measures about its machine (probe, kernels, compiled int8 code) is kept
+    # on the volume, so only the first start on a machine pays for it
+    volume = re.search(r'^VOLUME \["(\S+)"\]', DOCKERFILE, re.M).group(1)
+    for var in ("EMBEDSERVE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "EMBEDSERVE_INDEX_DIR"):
+        assert re.search(rf"{var}={re.escape(volume)}/", DOCKERFILE), var
 
 
 def test_proxy_matches_the_body_cap_and_does_not_buffer_streams():

@@ -78,17 +78,57 @@ def test_int8_recall_within_001_of_fp32(which, request):
     assert abs(recall["int8"] - recall["float32"]) <= 0.01, recall
 
 
-def test_int8_linear_matches_its_dequantized_weights():
-    """Per-token activation scales: each row is exact up to its own int8 rounding, outliers included."""
+@pytest.mark.parametrize("kernel", ["int_mm", "fbgemm"])
+def test_int8_linear_matches_its_dequantized_weights(kernel):
+    """Per-token activation scales: each row is exact up to its own int8 rounding, outliers
+    included, on both int8 matmuls (VNNI's _int_mm and AVX2's fbgemm)."""
     torch.manual_seed(0)
     w, b = torch.randn(48, 64) * 0.05, torch.randn(48)
     x = torch.randn(7, 64)
     x[:, 3] *= 40                                    # an outlier channel, as FFN-down inputs have
-    lin = Int8Linear(w, b, torch.float32)
+    lin = Int8Linear(w, b, torch.float32, kernel=kernel)
     ref = x @ lin.dequantized().T + b
     # error <= 0.5 LSB of x's per-token scale times sum |w| per output (a loose bound)
     bound = (x.abs().amax(1, keepdim=True) / 127 / 2) @ lin.dequantized().abs().sum(1, keepdim=True).T
     assert ((lin(x) - ref).abs() <= bound + 1e-4).all()
+
+
+def test_fbgemm_int8_equals_the_integer_math_where_int16_would_saturate():
+    """The worst case for fbgemm's AVX2 step (two u8 x s8 products summed in a saturating
+    int16): every activation at ±127 and every weight at the 7-bit limit, paired by sign. The
+    result must equal the exact integer product, scaled: no saturation anywhere."""
+    from embedserve.models.int8 import FBGEMM_W_LEVELS
+    K, N = 64, 16
+    g = torch.Generator().manual_seed(0)
+    signs = lambda *shape: torch.randint(0, 2, shape, generator=g).float() * 2 - 1  # noqa: E731
+    w = 0.5 * signs(N, K)                             # every weight at its row's max: ±63 after quantizing
+    w[0], w[1] = 0.5, -0.5                            # rows of one sign: every pair of products adds up
+    x = signs(6, K) * torch.tensor([[1.], [3.], [0.5], [-7.], [2.], [1.]])
+    x[0], x[1] = 1.0, 3.0                             # all at +127, the largest u8 (255)
+    lin = Int8Linear(w, torch.zeros(N), torch.float32, kernel="fbgemm")
+    assert int(lin.wT.abs().max()) == FBGEMM_W_LEVELS
+    xs = x.abs().amax(1, keepdim=True) / 127
+    exact = ((x / xs).round().double() @ lin.wT.double()) * lin.ws.double() * xs.double()
+    torch.testing.assert_close(lin(x).double(), exact, rtol=1e-6, atol=1e-6)   # fp32 rounding only
+    torch.testing.assert_close(lin(x), x @ w.T, rtol=1e-5, atol=1e-5)          # here the grid is exact
+
+
+def test_int8_kernel_follows_the_cpu(monkeypatch):
+    from embedserve.models import int8
+    for flags, want in (({"avx2", "avx512_vnni"}, "int_mm"), ({"avx2", "avx_vnni"}, "int_mm"), ({"avx2"}, "fbgemm")):
+        monkeypatch.setattr(int8, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.delenv(int8.KERNEL_ENV, raising=False)
+        int8.int8_kernel.cache_clear()
+        assert int8.int8_kernel() == want, flags
+    monkeypatch.setenv(int8.KERNEL_ENV, "int_mm")
+    int8.int8_kernel.cache_clear()
+    assert int8.int8_kernel() == "int_mm"
+    monkeypatch.setenv(int8.KERNEL_ENV, "mkl")
+    int8.int8_kernel.cache_clear()
+    with pytest.raises(ValueError, match="int_mm or fbgemm"):
+        int8.int8_kernel()
+    monkeypatch.delenv(int8.KERNEL_ENV)
+    int8.int8_kernel.cache_clear()
 
 
 def _probe(bf16=0.9999, int8=0.996, speeds=None):
@@ -125,6 +165,24 @@ def test_auto_probes_once_and_plan_names_what_serve_loads(fast, home, minilm_dir
     assert embed_memory_plan(minilm_dir, cfg).dtype == want        # plan now says what serve loads
     again = em.EmbeddingModel(minilm_dir, dtype="auto")            # the cached outcome: no probe
     assert again.spec.dtype == want and len(calls) == 1
+
+
+def test_the_probe_is_cached_in_the_cache_dir_when_one_is_set(home, minilm_dir, monkeypatch, tmp_path):
+    """A read-only home (the image) with EMBEDSERVE_CACHE_DIR on a volume: the probe's outcome
+    is kept there, and the next start on this machine does not probe again."""
+    monkeypatch.setenv(precision.FAST_BF16_ENV, "0")
+    monkeypatch.setenv("EMBEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def probe(self, candidates, texts=None, keep=None):
+        calls.append(tuple(candidates))
+        return _probe(bf16=0.0, int8=0.995, speeds={"float32": 1000, "bfloat16": 250, "int8": 2800})
+
+    monkeypatch.setattr(em.EmbeddingModel, "probe_precisions", probe)
+    assert em.EmbeddingModel(minilm_dir, dtype="auto").spec.dtype == "int8"
+    assert len(list((tmp_path / "cache" / "precision").glob("*.json"))) == 1
+    assert not (home / "precision").exists()
+    assert em.EmbeddingModel(minilm_dir, dtype="auto").spec.dtype == "int8" and len(calls) == 1
 
 
 def test_auto_keeps_fp32_when_nothing_passes(home, minilm_dir, monkeypatch):

@@ -21,7 +21,7 @@ import pytest
 from embedserve.embedders import ModelEmbedder
 from index.docstore import Document
 from index.embedder import DocumentVectors
-from index.errors import ConflictError, RetiredError
+from index.errors import ConflictError, DescribedError, RetiredError
 from index.ops import search_text, upsert_documents
 from index.store import IndexStore
 from migrations import ledger
@@ -305,3 +305,75 @@ def test_swap_under_load_every_answer_from_one_model_version_pair(tmp_path, e5_m
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, minilm_model):
+    """A MiniLM index of 40 of the documents, for the checks that need no full corpus."""
+    root = tmp_path_factory.mktemp("small")
+    emb = ModelEmbedder(minilm_model)
+    with IndexStore(root).create("wiki", emb.identity) as ix:
+        upsert_documents(ix, _wiki_docs(40), emb)
+    return root
+
+
+class _Zero(_Random):
+    """An embedder whose dense vectors are all zeros (a model whose pooling lost everything)."""
+
+    def embed_documents(self, texts):
+        out = super().embed_documents(texts)
+        return DocumentVectors([np.zeros_like(v) for v in out.dense], out.lexical)
+
+
+def test_zero_vectors_are_refused_and_the_live_version_keeps_serving(small, tmp_path, minilm_model, e5_model):
+    store = _copy(small, tmp_path)
+    with pytest.raises(DescribedError, match="norm 0.000000|all zeros"):
+        reindex(store, "wiki", _Zero(ModelEmbedder(e5_model)), batch_docs=16, sample=40)
+    assert store.current("wiki") == "v1" and ledger.history(store.index_dir("wiki")) == []
+    with store.open("wiki") as ix:
+        assert search_text(ix, ModelEmbedder(minilm_model), "glacier", top_k=3)
+
+
+def test_the_gate_counts_nan_and_zero_vectors_a_version_holds(small, tmp_path, e5_model):
+    """Vectors damaged on disk after they were written (the write path refuses both): the gate
+    reads every stored vector, names what is wrong and how many, and nothing is swapped."""
+    import sqlite3
+
+    store = _copy(small, tmp_path)
+    e5 = ModelEmbedder(e5_model)
+    dry = reindex(store, "wiki", e5, batch_docs=16, sample=40, dry_run=True)
+    assert dry["gate"]["ok"] and not dry["swapped"] and store.current("wiki") == "v1"
+    db = sqlite3.connect(store.version_dir("wiki", "v2") / "docs.sqlite")
+    ids = [r[0] for r in db.execute("SELECT id FROM docs ORDER BY id LIMIT 3")]
+    dim = e5.identity.dimension
+    db.execute("UPDATE docs SET dense = ? WHERE id = ?", (np.zeros(dim, "<f4").tobytes(), ids[0]))
+    db.execute("UPDATE docs SET dense = ? WHERE id = ?", (np.full(dim, np.nan, "<f4").tobytes(), ids[1]))
+    db.execute("UPDATE docs SET dense = ? WHERE id = ?", (np.ones(dim - 1, "<f4").tobytes(), ids[2]))
+    db.commit()
+    db.close()
+    with pytest.raises(GateFailed) as exc:       # the rerun resumes the unfinished v2 and gates it again
+        reindex(store, "wiki", e5, batch_docs=16, sample=40)
+    detail = exc.value.report.checks["vectors"]
+    assert not detail["ok"] and detail["detail"] == "bad vectors: zero 1, nan 1, dimension 1", detail
+    assert "v1 stays live" in exc.value.message
+    assert store.current("wiki") == "v1" and ledger.history(store.index_dir("wiki")) == []
+
+
+def test_cli_errors_name_what_to_change(small, tmp_path):
+    """An index that does not exist, an unknown model and a missing --to-model each end the
+    command with one line that says what is wrong (no traceback), before any model loads."""
+    root = _copy(small, tmp_path).root
+
+    def run(*args):
+        p = subprocess.run([sys.executable, "-m", "embedserve.cli", "reindex", "--index-dir", str(root), *args],
+                           capture_output=True, text=True, timeout=120)
+        return p.returncode, p.stderr
+    rc, err = run("--index", "nope", "--to-model", "multilingual-e5-small")
+    assert rc != 0 and "nope" in err and "Traceback" not in err, err
+    rc, err = run("--index", "wiki", "--to-model", "no-such-model")
+    assert rc != 0 and "no-such-model" in err and "Traceback" not in err, err
+    rc, err = run("--index", "wiki")
+    assert rc == 2 and "--to-model is required" in err, err
+    rc, err = run("--index", "wiki", "--rollback")
+    assert rc != 0 and "Traceback" not in err and "roll" in err.lower(), err
+    assert IndexStore(root).current("wiki") == "v1"

@@ -295,6 +295,10 @@ def test_unimplemented_fields_are_refused_by_name(server, path, field, value):
     (COMP, {"logprobs": 21}, "logprobs", "20"),
     (CHAT, {"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     (CHAT, {"logprobs": True, "top_logprobs": 25}, "top_logprobs", "20"),
+    (CHAT, {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats", "continuous_usage_stats"),
+    (COMP, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", "boolean"),
+    (CHAT, {"stream_options": {"include_usage": True}}, "stream_options", "`stream: true`"),
 ])
 def test_bad_values_and_unknown_fields_are_400(server, path, body, param, needle):
     base = {"messages": SHORT_ANSWER} if path == CHAT else {"prompt": "Hello"}

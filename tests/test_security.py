@@ -368,6 +368,29 @@ def test_docs_and_openapi_need_the_key(guarded):
         assert c.get("/health").status_code == 200 and c.get("/ready").status_code == 200
 
 
+def test_every_documented_operation_needs_the_key(guarded):
+    """Each path and method of the OpenAPI document, without a key and with a wrong one: 401 in
+    OpenAI's envelope before any body is read (the body sent is garbage); only /health and /ready
+    answer without a key."""
+    base, _, _ = guarded
+    with httpx.Client(base_url=base, timeout=30) as c:
+        doc = c.get("/openapi.json", headers=_bearer(KEY_A)).json()
+        seen = 0
+        for path, ops in doc["paths"].items():
+            url = path.replace("{name}", "kb").replace("{doc_id}", "d1")
+            assert "{" not in url, path                     # a new path parameter: fill it in above
+            for method in ops:
+                for headers in ({}, _bearer("sk-wrong-0000000000")):
+                    r = c.request(method.upper(), url, headers=headers, content=b"\xff not json")
+                    if path in ("/health", "/ready"):
+                        assert r.status_code != 401, (method, path)
+                        continue
+                    assert r.status_code == 401, (method, path, r.status_code, r.text[:200])
+                    assert r.json()["error"]["type"] == "authentication_error", (method, path)
+                    seen += 1
+        assert seen >= 2 * 12, seen                        # every route of the API, not a handful
+
+
 def test_keys_never_reach_the_log(guarded):
     base, _, log = guarded
     with httpx.Client(base_url=base, timeout=30) as c:

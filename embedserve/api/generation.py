@@ -35,6 +35,13 @@ _NOT_IMPLEMENTED: dict[str, tuple] = {
 }
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`; any other key is refused by name (extra="forbid")."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: StrictBool | None = None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -46,7 +53,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     stream: StrictBool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     n: StrictInt = 1
     ignore_eos: StrictBool = False
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -232,6 +239,9 @@ def _params(body: _Common, default_max: int) -> SamplingParams:
     _refuse_not_implemented(body)
     if body.n != 1:
         raise UnsupportedError("n > 1 is not supported; send separate requests", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise ValidationError("`stream_options` is only allowed with `stream: true`; set stream or remove "
+                              "stream_options", param="stream_options")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or default_max
     return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -387,7 +397,7 @@ async def _run(request: Request, gen: Generator, body: _Common, prompt_ids: list
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
     seq_id = gen.add(prompt_ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
-    reply = _Reply(gen, kind, body.stream_options or {})
+    reply = _Reply(gen, kind, body.stream_options.model_dump(exclude_none=True) if body.stream_options else {})
     if body.stream:
         return _sse(reply, queue, seq_id)
     return await _collect(request, reply, queue, seq_id)

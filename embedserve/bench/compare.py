@@ -9,10 +9,12 @@ wide as the served runs' concurrency) run in this process on the same inputs. Me
 builds them once); a peer that is not installed is reported as such, never estimated.
 
   embeddings  all-MiniLM-L6-v2 and multilingual-e5-small: embedserve, infinity-emb and
-              sentence-transformers, each in fp32 and in its best precision here; 1 text per
-              request at 8 and 32 concurrent clients, 32 texts per request at 8; a Poisson sweep
-              to saturation for the best precisions
-  generation  SmolLM2-135M-Instruct, bf16 everywhere: embedserve vs vLLM (CPU) vs HF
+              sentence-transformers, each in fp32 and in its best precision here (ours: what
+              `--dtype auto` picks; the peers: bf16 where the CPU has fast bf16, else fp32, run
+              once); 1 text per request at 8 and 32 concurrent clients, 32 texts per request at
+              8; a Poisson sweep to saturation for the best precisions
+  generation  SmolLM2-135M-Instruct in the decoder's best precision on this machine (bf16 where
+              the CPU has fast bf16, else fp32) on every side: embedserve vs vLLM (CPU) vs HF
               static batching at 1, 16 and 64 concurrent requests, 128-token prompts, outputs
               16..128 tokens, ignore_eos; and a RAG shape (a 1,000-token shared system prompt)
               with our prefix caching on and off
@@ -50,6 +52,23 @@ GEN_MODEL = "SmolLM2-135M-Instruct"
 EMBED_MODELS = ("all-MiniLM-L6-v2", "multilingual-e5-small")
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_TARGET_DEVICE": "cpu"}
+
+
+def peer_precision() -> str:
+    """The peers' best precision here (and the decoder's on every side): bf16 only where the
+    CPU multiplies it fast; on an AVX2-only CPU torch emulates it at a fraction of fp32's speed."""
+    from embedserve.precision import fast_bf16_available
+    return "bfloat16" if fast_bf16_available("cpu") else "float32"
+
+
+def best_of(runs: dict) -> dict:
+    """A system's results in its best precision: the `best (...)` entry, else float32 (the best
+    precision is fp32 itself, run once)."""
+    return next((v for k, v in runs.items() if k.startswith("best")), runs.get("float32"))
+
+
+def best_dtype(runs: dict) -> str:
+    return next((k.split("(")[1].rstrip(")") for k in runs if k.startswith("best")), "float32")
 
 
 def log(msg: str) -> None:
@@ -228,7 +247,8 @@ def encoder_in_process(path: Path, name: str, dtype: str, texts: list[str], runs
         for b in batches:
             ours_model.embed(b, {"dense"})
 
-    tdtype = torch.bfloat16 if ours_model.precision in ("bfloat16", "int8") and dtype != "float32" else torch.float32
+    # transformers in the precision our activations run in (int8's are bf16 only where bf16 is fast)
+    tdtype = torch.bfloat16 if ours_model.precision != "float32" and peer_precision() == "bfloat16" else torch.float32
     tok = AutoTokenizer.from_pretrained(str(path))
     hf = AutoModel.from_pretrained(str(path), dtype=tdtype, attn_implementation="sdpa").eval()
     sorted_texts = [texts[i] for i in sorted(range(len(texts)), key=lambda i: -len(ids[i]))]
@@ -264,10 +284,12 @@ def bench_embeddings(runs: int, work: Path) -> dict:
     for model in EMBED_MODELS:
         name, path = resolve_model(model)
         res: dict = {"ours": {}, "infinity": {}, "sentence_transformers": {}, "sweep": {}, "in_process": {}}
-        for dtype in ("float32", "auto"):
+        for dtype in ("auto", "float32"):
+            if dtype == "float32" and "float32" in res["ours"]:
+                break                                     # auto picked fp32 here: run once
             with ours(model, dtype) as base:
                 resolved = httpx.get(base + "/v1/models").json()["data"][0]["dtype"]
-                key = "float32" if dtype == "float32" else f"best ({resolved})"
+                key = "float32" if resolved == "float32" else f"best ({resolved})"
                 res["ours"][key] = embed_served(f"embedserve {resolved}", base, name, data, runs)
                 if dtype == "auto":
                     sat = res["ours"][key]["1 text/request, 32 clients"]["texts_per_s"]
@@ -275,23 +297,26 @@ def bench_embeddings(runs: int, work: Path) -> dict:
             # the encoder in process and the matmul rate right after the served runs of the same
             # precision: this shared machine's speed moves by 10-15 % within minutes, and these
             # three are compared with one another (server share, fraction of the ceiling)
-            res["in_process"][dtype] = encoder_in_process(path, name, dtype, texts[:384], runs)
-            prec = res["in_process"][dtype]["precision"]["ours"]
-            res["in_process"][dtype]["matmul_gflops"] = matmul_flops(prec) / 1e9
-            log(f"  matmul {prec}: {res['in_process'][dtype]['matmul_gflops']:.0f} GFLOP/s")
+            ip_key = "float32" if resolved == "float32" else "auto"
+            res["in_process"][ip_key] = encoder_in_process(path, name, dtype, texts[:384], runs)
+            prec = res["in_process"][ip_key]["precision"]["ours"]
+            res["in_process"][ip_key]["matmul_gflops"] = matmul_flops(prec) / 1e9
+            log(f"  matmul {prec}: {res['in_process'][ip_key]['matmul_gflops']:.0f} GFLOP/s")
+        best = peer_precision()
+        peer_dtypes = ("float32", best) if best != "float32" else ("float32",)
         missing = peer_missing("infinity")
-        for dtype in ("float32", "bfloat16"):
+        for dtype in peer_dtypes:
             if missing:
                 res["infinity"] = {"not_run": missing}
                 break
             with infinity(path, name, dtype) as base:
-                key = "float32" if dtype == "float32" else "best (bfloat16)"
+                key = "float32" if dtype == "float32" else f"best ({dtype})"
                 res["infinity"][key] = embed_served(f"infinity {dtype}", base, name, data, runs)
-                if dtype == "bfloat16":
+                if dtype == best:
                     sat = res["infinity"][key]["1 text/request, 32 clients"]["texts_per_s"]
                     res["sweep"]["infinity"] = embed_sweep(base, name, data, sat)
-        for dtype in ("float32", "bfloat16"):
-            key = "float32" if dtype == "float32" else "best (bfloat16)"
+        for dtype in peer_dtypes:
+            key = "float32" if dtype == "float32" else f"best ({dtype})"
             res["sentence_transformers"][key] = st_offline(path, dtype, texts[:384], runs)
             log(f"  sentence-transformers {dtype}: {res['sentence_transformers'][key]['texts_per_s']:.0f} texts/s")
         result[model] = res
@@ -370,8 +395,8 @@ def bench_generation(runs: int, work: Path) -> dict:
     rows = {conc: gen_dataset(tok, n, 128, 16, 128, seed=conc) for conc, n in GEN_SHAPES}
     data = {conc: _jsonl(r, work / f"gen-{conc}.jsonl") for conc, r in rows.items()}
     res: dict = {"ours": {}, "vllm": {}, "hf_static": {}}
-    # bf16 on every side (the best precision of all three on this CPU; fp32 would double the time)
-    for dtype, shapes in (("bfloat16", GEN_SHAPES),):
+    # the decoder's best precision here on every side (bf16 where the CPU has it fast)
+    for dtype, shapes in ((peer_precision(), GEN_SHAPES),):
         with ours("all-MiniLM-L6-v2", dtype, generate=GEN_MODEL, extra=("--max-num-seqs", "64")) as base:
             res["ours"][dtype] = gen_served(f"embedserve {dtype}", base, data, runs, shapes)
         missing = peer_missing("vllm")
@@ -384,11 +409,11 @@ def bench_generation(runs: int, work: Path) -> dict:
             except RuntimeError as exc:
                 res["vllm"][dtype] = {"not_run": str(exc).splitlines()[0]}
         res["hf_static"][dtype] = hf_static(path, dtype, rows, runs, shapes)
-    res["rag_prefix_caching"] = bench_rag(tok, work, runs)
+    res["rag_prefix_caching"] = bench_rag(tok, work, runs, dtype)
     return res
 
 
-def bench_rag(tok, work: Path, runs: int) -> dict:
+def bench_rag(tok, work: Path, runs: int, dtype: str) -> dict:
     """A 1,000-token shared system prompt + a 150-token document + a question, 16 output tokens,
     one at a time: TTFT with our prefix caching on and off. Every request of every run has a
     document of its own (the probe and warm-up included), so "on" measures the shared system
@@ -403,9 +428,9 @@ def bench_rag(tok, work: Path, runs: int) -> dict:
                  + f"\n\nQuestion {r}.{i}: what does the document say?\nAnswer:", "output_len": 16}
                 for i in range(per_run)]
         files.append(_jsonl(rows, work / f"rag-{r}.jsonl"))
-    out = {}
+    out: dict = {"dtype": dtype}
     for label, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
-        with ours("all-MiniLM-L6-v2", "bfloat16", generate=GEN_MODEL, extra=(flag,)) as base:
+        with ours("all-MiniLM-L6-v2", dtype, generate=GEN_MODEL, extra=(flag,)) as base:
             rs = []
             for data in files:
                 rs += drive("generate", base, GEN_MODEL, data, "--max-concurrency", "1", "--num-requests", "8",
@@ -470,17 +495,17 @@ def bench_ceiling(emb: dict, gen: dict) -> dict:
     out = {"threads": torch.get_num_threads()}
     for model in EMBED_MODELS:
         _, path = resolve_model(model)
-        best_key = next(k for k in emb[model]["ours"] if k.startswith("best"))
-        best = emb[model]["ours"][best_key]["32 texts/request, 8 clients"]
+        best = best_of(emb[model]["ours"])["32 texts/request, 8 clients"]
         fp32 = emb[model]["ours"]["float32"]["32 texts/request, 8 clients"]
         avg_len = best["tokens_per_s"] / max(best["texts_per_s"], 1e-9)
         fpt = encoder_flops_per_token(path, avg_len)
-        dtype = best_key.split("(")[1].rstrip(")")
+        dtype = best_dtype(emb[model]["ours"])
         ip = emb[model].get("in_process", {})
         # the rate measured beside the runs it is compared with (else measured now)
-        peak = ip.get("auto", {}).get("matmul_gflops", 0) * 1e9 or matmul_flops(dtype)
+        ip_auto = ip.get("auto", ip.get("float32", {}))     # auto picked fp32: the one fp32 run
+        peak = ip_auto.get("matmul_gflops", 0) * 1e9 or matmul_flops(dtype)
         peak32 = ip.get("float32", {}).get("matmul_gflops", 0) * 1e9 or matmul_flops("float32")
-        ip_best = ip.get("auto", {}).get("ours", {}).get("tokens_per_s", 0.0)
+        ip_best = ip_auto.get("ours", {}).get("tokens_per_s", 0.0)
         ip_fp32 = ip.get("float32", {}).get("ours", {}).get("tokens_per_s", 0.0)
         out[model] = {"flops_per_token": fpt, "avg_tokens_per_text": avg_len,
                       "best": {"dtype": dtype, "tokens_per_s": best["tokens_per_s"],
@@ -499,10 +524,12 @@ def bench_ceiling(emb: dict, gen: dict) -> dict:
             for k in st.keys():
                 params += int(np.prod(st.get_slice(k).get_shape()))
     bw = copy_bandwidth()
-    alone = gen["ours"]["bfloat16"]["1"]["output_tokens_per_s"]
-    out["decoder"] = {"params": params, "bytes_per_step_bf16": 2 * params, "steps_per_s_alone": alone,
-                      "achieved_gb_per_s": 2 * params * alone / 1e9, "copy_gb_per_s": bw / 1e9,
-                      "fraction": 2 * params * alone / bw}
+    gdtype = next(iter(gen["ours"]))
+    width = 2 if gdtype in ("bfloat16", "float16") else 4
+    alone = gen["ours"][gdtype]["1"]["output_tokens_per_s"]
+    out["decoder"] = {"params": params, "dtype": gdtype, "bytes_per_step": width * params, "steps_per_s_alone": alone,
+                      "achieved_gb_per_s": width * params * alone / 1e9, "copy_gb_per_s": bw / 1e9,
+                      "fraction": width * params * alone / bw}
     return out
 
 
@@ -529,9 +556,9 @@ def markdown(res: dict) -> str:
                              + " | ".join(cells) + f" | {w['1 text/request, 32 clients']['p99_ms']:.0f} |")
         for prec, w in r["sentence_transformers"].items():
             lines.append(f"| sentence-transformers (offline, batch 32) | {prec} | | | {w['texts_per_s']:.0f} | |")
-        ob = next(v for k, v in r["ours"].items() if k.startswith("best"))
+        ob = best_of(r["ours"])
         if "not_run" not in r["infinity"]:
-            ib = r["infinity"]["best (bfloat16)"]
+            ib = best_of(r["infinity"])
             lines += ["", "Ratio ours/infinity, best precision each: "
                       + ", ".join(f"{label} {_x(ob[label]['texts_per_s'], ib[label]['texts_per_s'])}"
                                   for label, *_ in EMBED_WORKLOADS)
@@ -539,8 +566,7 @@ def markdown(res: dict) -> str:
                           f"{label} {_x(r['ours']['float32'][label]['texts_per_s'], r['infinity']['float32'][label]['texts_per_s'])}"
                           for label, *_ in EMBED_WORKLOADS) + "."]
         for dtype, ip in r.get("in_process", {}).items():
-            served = r["ours"]["float32" if dtype == "float32" else
-                               next(k for k in r["ours"] if k.startswith("best"))]["32 texts/request, 8 clients"]
+            served = (r["ours"]["float32"] if dtype == "float32" else best_of(r["ours"]))["32 texts/request, 8 clients"]
             lines += ["", f"In process, {ip['precision']['ours']} (transformers {ip['precision']['transformers']}), "
                       f"the same texts: ours {ip['ours']['tokens_per_s']:.0f} tokens/s (4,096-token batches) vs "
                       f"transformers {ip['transformers']['tokens_per_s']:.0f} (sorted batches of 32) = "
@@ -558,10 +584,10 @@ def markdown(res: dict) -> str:
               "| precision | concurrency | embedserve | vLLM CPU 0.32 | HF static (same width) | ours/vLLM | ours/HF |",
               "|---|---|---|---|---|---|---|"]
     for dtype in g["ours"]:
-        for conc, _ in (GEN_SHAPES if dtype == "bfloat16" else ((16, 32),)):
-            o = g["ours"][dtype][str(conc)]
-            v = g["vllm"].get(dtype, {}).get(str(conc)) if "not_run" not in g["vllm"] else None
-            h = g["hf_static"][dtype][str(conc)]
+        for conc in g["ours"][dtype]:                     # the shapes run in that precision
+            o = g["ours"][dtype][conc]
+            v = g["vllm"].get(dtype, {}).get(conc) if "not_run" not in g["vllm"] else None
+            h = g["hf_static"][dtype][conc]
             vcell = (f"{v['output_tokens_per_s']:.0f} (TTFT {v['ttft_p50_ms']:.0f})" if v
                      else (g["vllm"].get("not_run") or g["vllm"].get(dtype, {}).get("not_run", "—")))
             lines.append(f"| {dtype} | {conc} | {o['output_tokens_per_s']:.0f} (TTFT {o['ttft_p50_ms']:.0f}) | {vcell} | "
@@ -569,7 +595,7 @@ def markdown(res: dict) -> str:
                          f"{_x(o['output_tokens_per_s'], h['output_tokens_per_s'])} |")
     rag = g["rag_prefix_caching"]
     lines += ["", f"RAG shape (1,000-token shared system prompt, 150-token document, 16 output tokens, one at a "
-              f"time, bf16): TTFT p50 {rag['on']['ttft_p50_ms']:.0f} ms with prefix caching, "
+              f"time, {rag.get('dtype', 'bfloat16')}): TTFT p50 {rag['on']['ttft_p50_ms']:.0f} ms with prefix caching, "
               f"{rag['off']['ttft_p50_ms']:.0f} ms without ({_x(rag['off']['ttft_p50_ms'], rag['on']['ttft_p50_ms'])}).", ""]
     c = res["ceiling"]
     lines += ["### How close to the machine's limit", "",
@@ -580,15 +606,15 @@ def markdown(res: dict) -> str:
               "achieved GFLOP/s | fraction | in process tokens/s | fraction |",
               "|---|---|---|---|---|---|---|---|---|"]
     for model in EMBED_MODELS:
-        for key in ("float32", "best"):
+        for key in (("float32", "best") if c[model]["best"]["dtype"] != "float32" else ("best",)):
             x = c[model][key]
             prec = "float32" if key == "float32" else x["dtype"]
             lines.append(f"| {model} | {prec} | {c[model]['flops_per_token'] / 1e6:.1f} M | {x['matmul_gflops']:.0f} | "
                          f"{x['tokens_per_s']:.0f} | {x['achieved_gflops']:.0f} | {100 * x['fraction']:.0f} % | "
                          f"{x.get('in_process_tokens_per_s', 0):.0f} | {100 * x.get('in_process_fraction', 0):.1f} % |")
     d = c["decoder"]
-    lines += ["", f"Decoder alone (bf16, one sequence): {d['params'] / 1e6:.0f} M parameters = "
-              f"{d['bytes_per_step_bf16'] / 1e6:.0f} MB read per step × {d['steps_per_s_alone']:.0f} steps/s = "
+    lines += ["", f"Decoder alone ({d.get('dtype', 'bfloat16')}, one sequence): {d['params'] / 1e6:.0f} M parameters = "
+              f"{d.get('bytes_per_step', d.get('bytes_per_step_bf16', 0)) / 1e6:.0f} MB read per step × {d['steps_per_s_alone']:.0f} steps/s = "
               f"{d['achieved_gb_per_s']:.1f} GB/s against {d['copy_gb_per_s']:.1f} GB/s measured copy bandwidth "
               f"({100 * d['fraction']:.0f} %).", ""]
     return "\n".join(lines)

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         print("embedserve bench: choose `embed`, `generate` (a load generator) or `compare` (make bench)\n\n"
               + usage, file=sys.stderr, end="")
         return 2
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)      # EMBEDSERVE_* fallbacks are read (and checked) here
         return args.func(args)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"embedserve: error: {exc}", file=sys.stderr)

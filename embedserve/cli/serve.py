@@ -18,7 +18,7 @@ _REPEATABLE = ("model", "api_key", "allowed_origins")
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     for f in config_fields():
         default = f.default if f.default is not MISSING else None
-        default = env_default(f.name, default)
+        default = env_default(f.name, default, str(f.type))
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,

@@ -253,7 +253,8 @@ def _add_layer_norm(x: torch.Tensor, y: torch.Tensor, ln: tuple[torch.Tensor, to
 
 
 def _varlen_kernel_runs(qkv: torch.Tensor, num_heads: int) -> bool:
-    return cpu_attention.varlen_supports(qkv, num_heads) and cpu_attention.available() is None
+    return (cpu_attention.varlen_supports(qkv, num_heads) and cpu_attention.varlen_preferred()
+            and cpu_attention.available() is None)
 
 
 def activation_bytes(cfg: EncoderConfig, max_batch_tokens: int, max_len: int, bytes_per_el: int) -> int:
