@@ -322,7 +322,7 @@ class _Zero(_Random):
 
     def embed_documents(self, texts):
         out = super().embed_documents(texts)
-        return DocumentVectors([np.zeros_like(v) for v in out.dense], out.lexical)
+        return DocumentVectors([np.zeros_like(v) for v in out.dense], out.sparse)
 
 
 def test_zero_vectors_are_refused_and_the_live_version_keeps_serving(small, tmp_path, minilm_model, e5_model):
@@ -354,7 +354,7 @@ def test_the_gate_counts_nan_and_zero_vectors_a_version_holds(small, tmp_path, e
     with pytest.raises(GateFailed) as exc:       # the rerun resumes the unfinished v2 and gates it again
         reindex(store, "wiki", e5, batch_docs=16, sample=40)
     detail = exc.value.report.checks["vectors"]
-    assert not detail["ok"] and detail["detail"] == "bad vectors: zero 1, nan 1, dimension 1", detail
+    assert not detail["ok"] and detail["detail"] == "bad vectors: nan 1, zero 1, dimension 1", detail
     assert "v1 stays live" in exc.value.message
     assert store.current("wiki") == "v1" and ledger.history(store.index_dir("wiki")) == []
 

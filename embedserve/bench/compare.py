@@ -444,14 +444,27 @@ def bench_rag(tok, work: Path, runs: int, dtype: str) -> dict:
 # ============================================================================ ceiling
 def matmul_flops(dtype: str, n: int = 2048, reps: int = 5) -> float:
     """The machine's matmul FLOP/s in `dtype`: the faster of `a @ b` and a linear packed for
-    oneDNN (what our encoder runs; in fp32 it is ~2x MKL's `a @ b` on these CPUs), n³."""
+    oneDNN (what our encoder runs; in fp32 it is ~2x MKL's `a @ b` on these CPUs), n³; int8 on
+    the matmul the encoder's int8 takes here (`_int_mm` with VNNI, fbgemm without)."""
     import torch
 
     from embedserve.models.linear import Linear
     if dtype == "int8":
-        a = torch.randint(-100, 100, (n, n), dtype=torch.int8)
-        b = torch.randint(-100, 100, (n, n), dtype=torch.int8)
-        fns = [lambda: torch._int_mm(a, b)]
+        from embedserve.models.int8 import int8_kernel
+        if int8_kernel() == "fbgemm":       # what the encoder's int8 runs on here (no VNNI)
+            import warnings
+            from embedserve.models.int8 import FBGEMM_W_LEVELS
+            w = torch.randint(-FBGEMM_W_LEVELS, FBGEMM_W_LEVELS + 1, (n, n), dtype=torch.int8)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                packed_q = torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(
+                    w, torch.ones(n, dtype=torch.double), torch.zeros(n, dtype=torch.long), 0), None)
+            x = torch.randint(-127, 128, (n, n)).float()
+            fns = [lambda: torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128, packed_q)]
+        else:
+            a = torch.randint(-100, 100, (n, n), dtype=torch.int8)
+            b = torch.randint(-100, 100, (n, n), dtype=torch.int8)
+            fns = [lambda: torch._int_mm(a, b)]
     else:
         a = torch.randn(n, n, dtype=getattr(torch, dtype))
         b = torch.randn(n, n, dtype=getattr(torch, dtype))

@@ -1,0 +1,153 @@
+"""Which CPU path is faster on this machine, measured side by side in one run: the int8 matmuls
+(`torch._int_mm`, fbgemm) against the packed fp32 linear at the encoder's shapes, the encoder's
+varlen C attention kernel against per-sequence SDPA, and the whole encoder in process in fp32
+and int8 with the attention the encoder picks here. The choices `embedserve.models.int8` and
+`kernels.cpu_attention.varlen_preferred` make by CPU flags rest on these numbers.
+
+    python -m embedserve.bench.cpu_paths            # ~2 minutes on 2 cores; prints a markdown table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = ((2000, 384, 1152), (2000, 384, 1536), (2000, 1536, 384))      # MiniLM/e5: qkv, ffn up, ffn down
+
+
+def _best_ms(fn, reps: int = 5) -> float:
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def matmuls() -> list[dict]:
+    from embedserve.models.int8 import Int8Linear
+    from embedserve.models.linear import Linear
+    out = []
+    for T, K, N in SHAPES:
+        g = torch.Generator().manual_seed(T + K + N)
+        x, w, b = torch.randn(T, K, generator=g), 0.05 * torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+        gflop = 2 * T * K * N / 1e9
+        fp32 = Linear(w, b)
+        row = {"shape": f"{T}x{K}x{N}", "fp32_packed": gflop / _best_ms(lambda: fp32(x)) * 1e3}
+        xq = torch.randint(-127, 128, (T, K), dtype=torch.int8, generator=g)
+        wq = torch.randint(-127, 128, (K, N), dtype=torch.int8, generator=g)
+        row["int_mm"] = gflop / _best_ms(lambda: torch._int_mm(xq, wq), reps=1) * 1e3
+        fb = Int8Linear(w, b, torch.float32, kernel="fbgemm")
+        row["fbgemm_int8_linear"] = gflop / _best_ms(lambda: fb(x)) * 1e3
+        out.append(row)
+    return out
+
+
+def attention() -> list[dict]:
+    import torch.nn.functional as F
+
+    from kernels import cpu_attention
+    out = []
+    if cpu_attention.available() is not None:
+        return [{"not_run": cpu_attention.available()}]
+    for nh, hd in ((12, 32), (6, 64)):
+        g = torch.Generator().manual_seed(nh * hd)
+        lens = torch.randint(8, 160, (64,), generator=g)
+        cu = torch.zeros(65, dtype=torch.int32)
+        cu[1:] = lens.cumsum(0)
+        qkv = torch.randn(int(lens.sum()), 3 * nh * hd, generator=g)
+
+        def sdpa():
+            for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                q, k, v = qkv[s:e].view(e - s, 3, nh, hd).permute(1, 2, 0, 3)
+                F.scaled_dot_product_attention(q[None], k[None], v[None])
+        out.append({"heads": f"{nh} x {hd}", "tokens": int(lens.sum()),
+                    "c_kernel_ms": _best_ms(lambda: cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5)),
+                    "sdpa_per_sequence_ms": _best_ms(sdpa)})
+    return out
+
+
+def encoders() -> list[dict]:
+    from embedserve.models.embedding_model import EmbeddingModel
+    from embedserve.models.encoder import load_encoder
+    from embedserve.models.registry import resolve_model
+    from kernels import cpu_attention
+    texts = [("The river %d crosses the valley, " % i) * (4 + i % 40) for i in range(160)]
+    out = []
+    for m in ("all-MiniLM-L6-v2", "multilingual-e5-small"):
+        name, path = resolve_model(m)
+        model = EmbeddingModel(path, name=name, dtype="float32")
+        ids = sorted((model.truncate(x) for x in model.tokenize(texts)), key=len)
+        batches, cur, used = [], [], 0
+        for x in ids:
+            if cur and used + len(x) > 4096:
+                batches.append(cur)
+                cur, used = [], 0
+            cur.append(x)
+            used += len(x)
+        batches.append(cur)
+        tokens = sum(map(len, ids))
+        encs = {"float32": model.encoder, "int8": load_encoder(path, "int8")}
+        row = {"model": m, "tokens": tokens,
+               "attention": "C kernel" if cpu_attention.varlen_preferred() else "SDPA"}
+        for prec in ("float32", "int8", "float32", "int8"):          # alternated: the machine drifts
+            ms = _best_ms(lambda: [model._embed_with(encs[prec], b, {"dense"}) for b in batches], reps=3)
+            row[prec] = max(row.get(prec, 0.0), tokens / ms * 1e3)
+        row["int8_over_fp32"] = row["int8"] / row["float32"]
+        out.append(row)
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"CPU {res['cpu']}, flags {', '.join(res['flags'])}, {res['threads']} threads "
+             f"(`python -m embedserve.bench.cpu_paths`, {res['date']}).", "",
+             "| linear (T x K x N) | fp32 packed GFLOP/s | `torch._int_mm` GOP/s | fbgemm int8 linear GFLOP/s |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['fp32_packed']:.0f} | {r['int_mm']:.1f} | {r['fbgemm_int8_linear']:.0f} |"
+              for r in res["matmuls"]]
+    lines += ["", "| encoder attention, 64 sequences of 8-159 tokens | C varlen kernel ms | per-sequence SDPA ms |",
+              "|---|---|---|"]
+    lines += [f"| {r['heads']} heads, {r['tokens']} tokens | {r['c_kernel_ms']:.1f} | {r['sdpa_per_sequence_ms']:.1f} |"
+              if "not_run" not in r else f"| not run: {r['not_run']} | | |" for r in res["attention"]]
+    lines += ["", "| encoder in process, 4,096-token batches | attention | fp32 tokens/s | int8 tokens/s | int8 / fp32 |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['model']} ({r['tokens']} tokens) | {r['attention']} | {r['float32']:.0f} | {r['int8']:.0f} | "
+              f"{r['int8_over_fp32']:.2f}× |" for r in res["encoders"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from embedserve.models.int8 import int8_kernel
+    from embedserve.precision import _cpuinfo
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="result file [default: results/cpu_paths-<flags>.json]")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    model, flags = _cpuinfo()
+    shown = sorted(f for f in flags if f.startswith(("avx", "amx")))
+    res = {"date": time.strftime("%Y-%m-%d"), "cpu": model, "flags": shown, "threads": torch.get_num_threads(),
+           "int8_kernel_chosen": int8_kernel()}
+    res["matmuls"] = matmuls()
+    res["attention"] = attention()
+    res["encoders"] = encoders()
+    kind = "avx512" if "avx512f" in flags else "avx2"
+    out = Path(args.out) if args.out else RESULTS / f"cpu_paths-{kind}.json"
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    md = markdown(res)
+    out.with_suffix(".md").write_text(md + "\n")
+    print(md)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
