@@ -4,7 +4,7 @@ varlen C attention kernel against per-sequence SDPA, and the whole encoder in pr
 and int8 with the attention the encoder picks here. The choices `embedserve.models.int8` and
 `kernels.cpu_attention.varlen_preferred` make by CPU flags rest on these numbers.
 
-    python -m embedserve.bench.cpu_paths            # ~2 minutes on 2 cores; prints a markdown table
+    python -m embedserve.bench.cpu_paths            # ~7 minutes on 2 AVX2 cores; prints a markdown table
 """
 
 from __future__ import annotations
