@@ -15,14 +15,16 @@ so int8 is refused where `torch.compile` does not work.
 Two int8 matmuls, by what the CPU has (`EMBEDSERVE_INT8_KERNEL=int_mm|fbgemm` overrides, a
 testing aid):
 * VNNI (AVX512-VNNI, AVX-VNNI or AMX): `torch._int_mm`, 8-bit activations (±127 per token).
-* AVX2 only: there `torch._int_mm` falls back to a plain loop (measured 1.3 GOP/s against 66
-  GFLOP/s for an fp32 matmul on a 2-core EPYC), so fbgemm's packed u8×s8 GEMM runs instead
-  (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`, 2.2x the fp32 matmul there).
-  Its AVX2 inner step (vpmaddubsw) adds two u8×s8 products into a saturating int16, so the
-  per-token activations take 7 bits (±63, stored as u8 around a zero point of 64): 2 × 127 × 127
-  fits, and the result equals the integer math exactly (checked in the tests); 8 bits would
-  saturate. The scales are ours: the integers go in with scale 1, and the per-token scale and
-  the bias are applied after, as on the VNNI path.
+* AVX2 only: there `torch._int_mm` falls back to a plain loop (2-4 GOP/s against 135-171 GFLOP/s
+  for the packed fp32 linear on a 2-core EPYC, `python -m embedserve.bench.cpu_paths`), so
+  fbgemm's packed u8 x s8 GEMM runs instead
+  (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`, 1.3-1.6x the fp32 linear there).
+  Its AVX2 inner step (vpmaddubsw) adds two u8 x s8 products into a saturating int16, so the
+  weights take 7 bits (±63 per output channel) while the activations keep 8 (±127 per token,
+  stored as u8 around a zero point of 128): 2 x 255 x 63 fits, and the result equals the integer
+  math exactly (checked in the tests); 8-bit weights would saturate. The scales are ours: the
+  integers go in with scale 1, and the per-token scale and the bias are applied after, as on the
+  VNNI path. FFN-down stays in the activation dtype on this path (FBGEMM_INT8_LINEARS).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import warnings
 import torch
 
 from ..precision import cpu_flags
+from .linear import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +45,8 @@ KERNEL_ENV = "EMBEDSERVE_INT8_KERNEL"
 INT8_LINEARS = ("qkv", "attn_out", "ffn_up", "ffn_down")
 # With fbgemm's 7-bit weights the FFN-down projection (its input, the GELU output, carries the
 # outlier channels) stays in the activation dtype: measured on the retrieval test's 250 documents,
-# MiniLM's recall@10 is 0.956 with it in int8 and 0.964 without (fp32 0.968); the encoder is then
-# 1.15x (MiniLM) / 1.10x (e5) fp32's speed instead of 1.25x / 1.14x.
+# MiniLM's recall@10 is 0.956 with it in int8 and 0.964 without (fp32 0.968), for a third of
+# the int8 FLOPs.
 FBGEMM_INT8_LINEARS = ("qkv", "attn_out", "ffn_up")
 _VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")
 # fbgemm's AVX2 step sums two u8 x s8 products in a saturating int16: u8 activations (±127
@@ -153,7 +156,6 @@ def quantize_encoder(encoder, act_dtype: torch.dtype):
     why = int8_available()
     if why is not None:
         raise RuntimeError(f"int8 linears do not run on this machine ({why}); use --dtype float32 or bfloat16")
-    from .linear import Linear
     cast = lambda t: t.to(act_dtype)  # noqa: E731
     quantized = INT8_LINEARS if int8_kernel() == "int_mm" else FBGEMM_INT8_LINEARS
     for p in encoder.layers:
