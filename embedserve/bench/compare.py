@@ -229,19 +229,13 @@ def encoder_in_process(path: Path, name: str, dtype: str, texts: list[str], runs
     import torch
     from transformers import AutoModel, AutoTokenizer
 
+    from embedserve.embedders import token_batches
     from embedserve.models.embedding_model import EmbeddingModel
     ours_model = EmbeddingModel(path, name=name, dtype=dtype)
     ids = [ours_model.truncate(x) for x in ours_model.tokenize(texts)]
     tokens = sum(len(x) for x in ids)
     order = sorted(ids, key=len, reverse=True)
-    batches, cur, used = [], [], 0
-    for x in order:
-        if cur and used + len(x) > 4096:
-            batches.append(cur)
-            cur, used = [], 0
-        cur.append(x)
-        used += len(x)
-    batches.append(cur)
+    batches = [[order[i] for i in b] for b in token_batches([len(x) for x in order], 4096)]
 
     def run_ours():
         for b in batches:

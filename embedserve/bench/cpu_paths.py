@@ -77,6 +77,7 @@ def attention() -> list[dict]:
 
 
 def encoders() -> list[dict]:
+    from embedserve.embedders import token_batches
     from embedserve.models.embedding_model import EmbeddingModel
     from embedserve.models.encoder import load_encoder
     from embedserve.models.registry import resolve_model
@@ -87,14 +88,7 @@ def encoders() -> list[dict]:
         name, path = resolve_model(m)
         model = EmbeddingModel(path, name=name, dtype="float32")
         ids = sorted((model.truncate(x) for x in model.tokenize(texts)), key=len)
-        batches, cur, used = [], [], 0
-        for x in ids:
-            if cur and used + len(x) > 4096:
-                batches.append(cur)
-                cur, used = [], 0
-            cur.append(x)
-            used += len(x)
-        batches.append(cur)
+        batches = [[ids[i] for i in b] for b in token_batches([len(x) for x in ids], 4096)]
         tokens = sum(map(len, ids))
         encs = {"float32": model.encoder, "int8": load_encoder(path, "int8")}
         row = {"model": m, "tokens": tokens,
