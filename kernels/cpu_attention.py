@@ -42,6 +42,10 @@ CFLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp", "-ffast-math")
 LDFLAGS = ("-shared", "-fopenmp")
 _VARLEN_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                 ctypes.c_float, ctypes.c_int]
+_RMS_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+_ROPE_ARGS = ([ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4
+              + [ctypes.c_int])
+_SILU_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
 _ADD_LN_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -132,9 +136,13 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     for name in ("varlen_attention_f32", "varlen_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _VARLEN_ARGS, ctypes.c_int
-    for name in ("add_layer_norm_f32", "add_layer_norm_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _ADD_LN_ARGS, ctypes.c_int
+    for names, args in ((("add_layer_norm_f32", "add_layer_norm_bf16"), _ADD_LN_ARGS),
+                        (("rms_norm_f32", "rms_norm_bf16"), _RMS_ARGS),
+                        (("rope_store_f32", "rope_store_bf16"), _ROPE_ARGS),
+                        (("silu_mul_f32", "silu_mul_bf16"), _SILU_ARGS)):
+        for name in names:
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
     return lib, None
 
 
@@ -186,14 +194,12 @@ def varlen_supports(qkv: torch.Tensor, num_heads: int) -> bool:
 
 @functools.cache
 def varlen_preferred() -> bool:
-    """Whether the encoder should take the varlen kernel over SDPA on this CPU. The kernel's
-    register blocking (4 query rows x 16 keys in 512-bit vectors) is made for AVX-512's 32
-    registers; where the CPU has only AVX2 it measured 4-10x slower than per-sequence SDPA (2-core
-    EPYC, MiniLM and e5 head shapes: 137 vs 32 ms for 64 sequences of 8-160 tokens), so the
-    encoder keeps SDPA there. EMBEDSERVE_CPU_ATTENTION=c takes the kernel anyway."""
-    if os.environ.get(ENV, "auto").strip().lower() == "c":
-        return True
-    return "avx512f" in _cpu_id().split()
+    """Whether the encoder takes the varlen kernel over SDPA: yes, on both kinds of CPU (in
+    vectors of the machine's width it is ahead of per-sequence SDPA on 2-core EPYCs with AVX-512
+    and with AVX2 only, `python -m embedserve.bench.cpu_paths`; before it was written that way,
+    GCC's lowering of 16-float vectors on AVX2 made it 8x slower there).
+    EMBEDSERVE_CPU_ATTENTION=sdpa keeps SDPA for the encoder (the decode kernel stays)."""
+    return os.environ.get(ENV, "auto").strip().lower() != "sdpa"
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
@@ -245,3 +251,63 @@ def add_layer_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias:
         raise RuntimeError(f"cpu add_layer_norm failed (code {rc})")
     return out
 
+
+
+# ---- the decoder's glue (cpu_paged_attention.c, last section): one call per step instead of
+# 4-12 torch ops. Callers check `decoder_glue_supports` once per step; the functions assume it.
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def decoder_glue_supports(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Hidden states (T, H) and a KV cache the glue kernels take: float32 or bfloat16 on the CPU,
+    one dtype, H at most 4,096, the cache contiguous; and the library built."""
+    return (x.device.type == "cpu" and x.dtype in _SUFFIX and k_cache.dtype == x.dtype and x.dim() == 2
+            and x.shape[1] <= 4096 and x.is_contiguous() and k_cache.is_contiguous() and available() is None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's RMSNorm of (T, H) rows: `round(round(x * rsqrt(mean(x^2) + eps)) * weight)`, statistics
+    in float32. With `residual`, first `x += residual` in place (rounded to the dtype, as torch's
+    add), so one call is the residual add and the next layer's norm."""
+    lib = _library()[0]
+    out = torch.empty_like(x)
+    r = 0 if residual is None else residual.contiguous().data_ptr()
+    rc = getattr(lib, "rms_norm_" + _SUFFIX[x.dtype])(x.data_ptr(), r, weight.data_ptr(), out.data_ptr(),
+                                                     x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"cpu rms_norm failed (code {rc})")
+    return out
+
+
+def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """qkv (T, (nh + 2 kvh) hd), cos/sin float32 (T, hd / 2) of each token's position ->
+    rotated q (T, nh, hd); the rotated k and the v of token t written to cache slot
+    `slot_mapping[t]` (caches [blocks, block_size, kvh, hd]). HF's rotate-half RoPE."""
+    lib = _library()[0]
+    T = qkv.shape[0]
+    hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q = torch.empty(T, num_heads, hd, dtype=qkv.dtype)
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = getattr(lib, "rope_store_" + _SUFFIX[qkv.dtype])(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        num_slots, q.data_ptr(), T, num_heads, num_kv_heads, hd, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"cpu rope_store failed (code {rc}: -3 is a slot outside the cache)")
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) = [gate | up] -> silu(gate) * up (T, I), each rounded to the dtype as torch's ops."""
+    lib = _library()[0]
+    T, I2 = gate_up.shape
+    gate_up = gate_up.contiguous()
+    out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
+    rc = getattr(lib, "silu_mul_" + _SUFFIX[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), T, I2 // 2,
+                                                           torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"cpu silu_mul failed (code {rc})")
+    return out

@@ -21,6 +21,23 @@
 #define MAX_G 16
 #define MAX_HD 256
 
+#if defined(__AVX512F__)
+#define VW 16          /* floats per vector register */
+#define VCHUNK 64      /* value columns summed per pass: all of a head (hd <= 64), 4 rows x 4 zmm */
+#else
+#define VW 8           /* AVX2: 16 ymm registers, so 4 rows x 16 columns of values per pass */
+#define VCHUNK 16
+#endif
+/* vectors of the machine's width: with only AVX2, GCC lowers a 64-byte vector type through the
+ * stack (measured 3 GFLOP/s, 8x behind SDPA), so a 16-key block is 16 / VW native vectors */
+typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
+
+static inline float hsum(vec a) {
+    float z = 0.f;
+    for (int i = 0; i < VW; i++) z += a[i];
+    return z;
+}
+
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = ((uint32_t)v) << 16;
     float f;
@@ -106,38 +123,107 @@ static inline __attribute__((always_inline)) int NAME(                          
     return 0;                                                                                       \
 }
 
+/* The same in vectors of the machine's width, for hd a multiple of 2 * VW, for KV heads h0 .. h0 + nk
+ * of one sequence: their K and V rows gathered once into float32 scratch (`kf`, `vf`: nk x n x hd,
+ * per thread; a token's rows of all its KV heads are one contiguous read, which the hardware
+ * prefetcher follows: reading one head's 1/kvh of each row ran at a third of the bandwidth), then
+ * per query head: q in registers, one dot product per key (two accumulators, one horizontal
+ * sum), the softmax, and the values summed into hd / VW register accumulators. */
+#define DEFINE_ATTEND_VEC(NAME, T, LOAD, STORE)                                                      \
+static inline __attribute__((always_inline)) void NAME(                                             \
+        const T *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t n, T *out,    \
+        int64_t kvh, int64_t h0, int64_t nk, int64_t g, const int64_t hd, int64_t block_size,       \
+        float scale, float *kf, float *vf, float *p) {                                              \
+    const int64_t NV = hd / VW;                                                                     \
+    for (int64_t b = 0, t = 0; t < n; b++) {                                                        \
+        const int64_t base = ((int64_t)table[b] * block_size * kvh + h0) * hd;                      \
+        for (int64_t o = 0; o < block_size && t < n; o++, t++) {                                    \
+            for (int64_t hh = 0; hh < nk; hh++) {                                                   \
+                LOAD(k_cache + base + (o * kvh + hh) * hd, kf + (hh * n + t) * hd, hd);             \
+                LOAD(v_cache + base + (o * kvh + hh) * hd, vf + (hh * n + t) * hd, hd);             \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+    for (int64_t j = 0; j < nk * g; j++) {                                                          \
+        const float *kh = kf + (j / g) * n * hd, *vh = vf + (j / g) * n * hd;                       \
+        float qs[MAX_HD], res[MAX_HD];                                                              \
+        LOAD(q + j * hd, qs, hd);                                                                   \
+        vec qv[MAX_HD / VW], acc[MAX_HD / VW];                                                      \
+        for (int64_t u = 0; u < NV; u++) { memcpy(&qv[u], qs + u * VW, sizeof(vec)); acc[u] = (vec){0}; } \
+        float m = -FLT_MAX, z = 0.f;                                                                \
+        for (int64_t t = 0; t < n; t++) {                                                           \
+            const vec *kr = (const vec *)(kh + t * hd);                                             \
+            vec a0 = {0}, a1 = {0};                                                                 \
+            for (int64_t u = 0; u < NV; u += 2) { a0 += qv[u] * kr[u]; a1 += qv[u + 1] * kr[u + 1]; } \
+            const float d = hsum(a0 + a1) * scale;                                                  \
+            p[t] = d;                                                                               \
+            m = d > m ? d : m;                                                                      \
+        }                                                                                           \
+        for (int64_t t = 0; t < n; t++) { p[t] = expf(p[t] - m); z += p[t]; }                       \
+        for (int64_t t = 0; t < n; t++) {                                                           \
+            const vec *vr = (const vec *)(vh + t * hd);                                             \
+            const float w = p[t];                                                                   \
+            for (int64_t u = 0; u < NV; u++) acc[u] += w * vr[u];                                   \
+        }                                                                                           \
+        const float inv = z > 0.f ? 1.f / z : 0.f;                                                  \
+        for (int64_t u = 0; u < NV; u++) { const vec r = acc[u] * inv; memcpy(res + u * VW, &r, sizeof(vec)); } \
+        STORE(out + j * hd, res, hd);                                                               \
+    }                                                                                               \
+}
+
 /* returns 0, or a negative code: -1 a shape past MAX_G / MAX_HD, -2 out of memory */
-#define DEFINE_KERNEL(NAME, ATTEND, T)                                                               \
+#define DEFINE_KERNEL(NAME, ATTEND, ATTEND_VEC, T)                                                   \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,               \
          int64_t bt_stride, const int32_t *context_lens, T *out, int64_t num_seqs, int64_t nh,       \
          int64_t kvh, int64_t hd, int64_t block_size, float scale, int num_threads) {                \
     const int64_t g = nh / kvh;                                                                     \
     if (g > MAX_G || hd > MAX_HD || g * kvh != nh) return -1;                                       \
+    int64_t max_n = 0;                                                                              \
+    for (int64_t s = 0; s < num_seqs; s++) max_n = context_lens[s] > max_n ? context_lens[s] : max_n; \
+    const int vec_path = hd % (2 * VW) == 0;                                                        \
+    /* a task: a whole sequence (all its KV heads) where there are sequences enough for the        \
+     * threads, else one (sequence, KV head) so that one long sequence still uses them all */      \
+    const int64_t per = vec_path && num_seqs >= 2 * num_threads ? kvh : 1, tasks = kvh / per;        \
     int failed = 0;                                                                                 \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")           \
-    for (int64_t s = 0; s < num_seqs; s++) {                                                        \
-        for (int64_t h = 0; h < kvh; h++) {                                                         \
-            const T *qs = q + (s * nh + h * g) * hd;                                                \
-            T *os = out + (s * nh + h * g) * hd;                                                    \
-            const int32_t *table = block_tables + s * bt_stride;                                    \
-            const int64_t n = context_lens[s];                                                      \
-            int rc;                                                                                 \
-            if (hd == 64)                                                                           \
-                rc = ATTEND(qs, k_cache, v_cache, table, n, os, kvh, h, g, 64, block_size, scale);  \
-            else if (hd == 128)                                                                     \
-                rc = ATTEND(qs, k_cache, v_cache, table, n, os, kvh, h, g, 128, block_size, scale); \
-            else                                                                                    \
-                rc = ATTEND(qs, k_cache, v_cache, table, n, os, kvh, h, g, hd, block_size, scale);  \
-            if (rc) failed = 1;                                                                     \
+    _Pragma("omp parallel num_threads(num_threads)")                                                \
+    {                                                                                               \
+        float *scratch = vec_path ? (float *)malloc(sizeof(float) * (size_t)((2 * hd * per + 1) * max_n + 16)) \
+                                  : NULL;                                                           \
+        if (vec_path && !scratch) failed = 1;                                                       \
+        _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                         \
+        for (int64_t s = 0; s < num_seqs; s++) {                                                    \
+            for (int64_t k = 0; k < tasks; k++) {                                                   \
+                const int64_t h = k * per;                                                          \
+                const T *qs = q + (s * nh + h * g) * hd;                                            \
+                T *os = out + (s * nh + h * g) * hd;                                                \
+                const int32_t *table = block_tables + s * bt_stride;                                \
+                const int64_t n = context_lens[s];                                                  \
+                int rc = 0;                                                                         \
+                if (vec_path && scratch) {                                                          \
+                    float *kf = scratch, *vf = kf + hd * per * n, *p = vf + hd * per * n;           \
+                    if (hd == 64)                                                                   \
+                        ATTEND_VEC(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, 64, block_size, scale, kf, vf, p); \
+                    else if (hd == 128)                                                             \
+                        ATTEND_VEC(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, 128, block_size, scale, kf, vf, p); \
+                    else                                                                            \
+                        ATTEND_VEC(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, hd, block_size, scale, kf, vf, p); \
+                } else if (!vec_path) {                                                             \
+                    rc = ATTEND(qs, k_cache, v_cache, table, n, os, kvh, h, g, hd, block_size, scale); \
+                }                                                                                   \
+                if (rc) failed = 1;                                                                 \
+            }                                                                                       \
         }                                                                                           \
+        free(scratch);                                                                              \
     }                                                                                               \
     return failed ? -2 : 0;                                                                         \
 }
 
 DEFINE_ATTEND(attend_f32, float, load_f32, store_f32)
 DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16, store_bf16)
-DEFINE_KERNEL(paged_decode_attention_f32, attend_f32, float)
-DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, uint16_t)
+DEFINE_ATTEND_VEC(attend_vec_f32, float, load_f32, store_f32)
+DEFINE_ATTEND_VEC(attend_vec_bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_KERNEL(paged_decode_attention_f32, attend_f32, attend_vec_f32, float)
+DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, attend_vec_bf16, uint16_t)
 
 /* ---------------------------------------------------------------------------------------------
  * Encoder attention over packed sequences (no padding, no mask): qkv [T, 3 * nh * hd] holds each
@@ -147,13 +233,13 @@ DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, uint16_t)
  * no horizontal sums), softmax, and the values summed into 4 rows x hd accumulators. GCC vector
  * extensions (16 floats), so it builds on AVX2-only CPUs as well.
  */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#define NU (16 / VW)
 #define R 4
 
 #define DEFINE_HEAD(NAME, T, LOAD, STORE)                                                             \
 static inline __attribute__((always_inline)) void NAME(const T *qkv, T *out, int64_t start, int64_t L, \
         int64_t h, int64_t nh, const int64_t HD, float scale, float *buf) {                          \
-    const int64_t H = nh * HD, row = 3 * H, Lp = (L + 15) / 16 * 16, NV = HD / 16;                  \
+    const int64_t H = nh * HD, row = 3 * H, Lp = (L + 15) / 16 * 16;                                \
     float *kt = buf, *v = kt + HD * Lp, *s = v + L * HD;                                            \
     float tmp[64];                                                                                  \
     for (int64_t j = 0; j < L; j++) {                                                               \
@@ -171,13 +257,15 @@ static inline __attribute__((always_inline)) void NAME(const T *qkv, T *out, int
             else memset(q[r], 0, sizeof(q[r]));                                                     \
         }                                                                                           \
         for (int64_t c = 0; c < Lp; c += 16) {                    /* scores, 4 rows x 16 keys */   \
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                             \
+            vec a[R][NU];                                                                           \
+            for (int r = 0; r < R; r++) for (int u = 0; u < NU; u++) a[r][u] = (vec){0};            \
             for (int64_t d = 0; d < HD; d++) {                                                      \
-                const v16 kv = *(const v16 *)(kt + d * Lp + c);                                     \
-                a0 += q[0][d] * kv; a1 += q[1][d] * kv; a2 += q[2][d] * kv; a3 += q[3][d] * kv;     \
+                vec kv[NU];                                                                         \
+                for (int u = 0; u < NU; u++) kv[u] = *(const vec *)(kt + d * Lp + c + u * VW);      \
+                for (int r = 0; r < R; r++) for (int u = 0; u < NU; u++) a[r][u] += q[r][d] * kv[u]; \
             }                                                                                       \
-            *(v16 *)(s + 0 * Lp + c) = a0; *(v16 *)(s + 1 * Lp + c) = a1;                           \
-            *(v16 *)(s + 2 * Lp + c) = a2; *(v16 *)(s + 3 * Lp + c) = a3;                           \
+            for (int r = 0; r < R; r++) for (int u = 0; u < NU; u++)                                \
+                *(vec *)(s + r * Lp + c + u * VW) = a[r][u];                                        \
         }                                                                                           \
         float inv[R];                                                                               \
         for (int64_t r = 0; r < R; r++) {                         /* softmax over the L real keys */ \
@@ -186,20 +274,24 @@ static inline __attribute__((always_inline)) void NAME(const T *qkv, T *out, int
             for (int64_t j = 0; j < L; j++) { sr[j] = expf(sr[j] - m); z += sr[j]; }                \
             inv[r] = 1.f / z;                                                                       \
         }                                                                                           \
-        v16 o[R][4];                                              /* values: 4 rows x HD */        \
-        for (int64_t r = 0; r < R; r++) for (int64_t k = 0; k < 4; k++) o[r][k] = (v16){0};         \
-        for (int64_t j = 0; j < L; j++) {                                                           \
-            const float *vj = v + j * HD;                                                           \
-            for (int64_t k = 0; k < NV; k++) {                                                      \
-                const v16 vv = *(const v16 *)(vj + 16 * k);                                         \
-                for (int64_t r = 0; r < R; r++) o[r][k] += s[r * Lp + j] * vv;                      \
+        float res[R][64];                                                                           \
+        for (int64_t k0 = 0; k0 < HD; k0 += VCHUNK) {             /* values: 4 rows x VCHUNK */    \
+            const int64_t nv = (HD - k0 < VCHUNK ? HD - k0 : VCHUNK) / VW;                          \
+            vec o[R][VCHUNK / VW];                                                                  \
+            for (int r = 0; r < R; r++) for (int k = 0; k < VCHUNK / VW; k++) o[r][k] = (vec){0};   \
+            for (int64_t j = 0; j < L; j++) {                                                       \
+                const float *vj = v + j * HD + k0;                                                  \
+                for (int64_t k = 0; k < nv; k++) {                                                  \
+                    const vec vv = *(const vec *)(vj + VW * k);                                     \
+                    for (int r = 0; r < R; r++) o[r][k] += s[r * Lp + j] * vv;                      \
+                }                                                                                   \
+            }                                                                                       \
+            for (int r = 0; r < R; r++) for (int64_t k = 0; k < nv; k++) {                          \
+                vec t = o[r][k] * inv[r];                                                           \
+                memcpy(res[r] + k0 + VW * k, &t, sizeof(t));                                        \
             }                                                                                       \
         }                                                                                           \
-        for (int64_t r = 0; r < nr; r++) {                                                          \
-            float res[64];                                                                          \
-            for (int64_t k = 0; k < NV; k++) { v16 t = o[r][k] * inv[r]; memcpy(res + 16 * k, &t, 64); } \
-            STORE(out + (start + i0 + r) * H + h * HD, res, HD);                                    \
-        }                                                                                           \
+        for (int64_t r = 0; r < nr; r++) STORE(out + (start + i0 + r) * H + h * HD, res[r], HD);    \
     }                                                                                               \
 }
 
@@ -266,3 +358,94 @@ int NAME(const T *x, const T *y, const T *w, const T *b, T *out, int64_t rows, i
 
 DEFINE_ADD_LN(add_layer_norm_f32, float, load_f32, store_f32, round_f32)
 DEFINE_ADD_LN(add_layer_norm_bf16, uint16_t, load_bf16, store_bf16, round_bf16)
+
+/* ---------------------------------------------------------------------------------------------
+ * The decoder's glue between its matmuls, one call each instead of 4-12 torch ops (at one to a
+ * few dozen rows per decode step, torch's per-op dispatch costs more than the arithmetic):
+ *
+ *   rms_norm:     [x <- x + r;]  out = round(round(x * rstd) * w)     (HF's order; r may be NULL)
+ *   rope_store:   q_out = rope(q); k_cache[slot] = rope(k); v_cache[slot] = v   (rotate-half)
+ *   silu_mul:     out = round(round(silu(g)) * u) for gu = [g | u]
+ *
+ * Each step is rounded to T where torch's ops round (bf16), statistics in float32. Products
+ * are not contracted into FMAs here, so that fp32 results are torch's to the last bit wherever
+ * the math library agrees (rstd in double; expf may differ from torch's by an ulp).
+ */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+#define DEFINE_RMS(NAME, T, LOAD, STORE, ROUND)                                                       \
+int NAME(T *x, const T *r, const T *w, T *out, int64_t rows, int64_t H, float eps, int num_threads) { \
+    if (H > MAX_H) return -1;                                                                       \
+    float wf[MAX_H];                                                                                \
+    LOAD(w, wf, H);                                                                                 \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * H >= 65536)")    \
+    for (int64_t t = 0; t < rows; t++) {                                                            \
+        float v[MAX_H], u[MAX_H];                                                                   \
+        LOAD(x + t * H, v, H);                                                                      \
+        if (r) {                                                                                    \
+            LOAD(r + t * H, u, H);                                                                  \
+            for (int64_t i = 0; i < H; i++) v[i] = ROUND(v[i] + u[i]);                              \
+            STORE(x + t * H, v, H);                                                                 \
+        }                                                                                           \
+        float ss = 0.f;                                                                             \
+        for (int64_t i = 0; i < H; i++) ss += v[i] * v[i];                                          \
+        const float var = ss / (float)H;                                                            \
+        const float rstd = (float)(1.0 / sqrt((double)(var + eps)));                                \
+        for (int64_t i = 0; i < H; i++) v[i] = ROUND(ROUND(v[i] * rstd) * wf[i]);                   \
+        STORE(out + t * H, v, H);                                                                   \
+    }                                                                                               \
+    return 0;                                                                                       \
+}
+
+#define DEFINE_ROPE_STORE(NAME, T, LOAD, STORE)                                                       \
+int NAME(const T *qkv, const float *cos_t, const float *sin_t, T *k_cache, T *v_cache,              \
+         const int64_t *slots, int64_t num_slots, T *q_out, int64_t rows, int64_t nh, int64_t kvh,    \
+         int64_t hd, int num_threads) {                                                             \
+    if (hd > MAX_HD || hd % 2) return -1;                                                           \
+    for (int64_t t = 0; t < rows; t++) if (slots[t] < 0 || slots[t] >= num_slots) return -3;        \
+    const int64_t row = (nh + 2 * kvh) * hd, half = hd / 2;                                         \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows >= 64)")           \
+    for (int64_t t = 0; t < rows; t++) {                                                            \
+        const float *c = cos_t + t * half, *s = sin_t + t * half;                                   \
+        float a[MAX_HD], o[MAX_HD];                                                                 \
+        for (int64_t hh = 0; hh < nh + kvh; hh++) {                                                 \
+            LOAD(qkv + t * row + hh * hd, a, hd);                                                   \
+            for (int64_t i = 0; i < half; i++) {                                                    \
+                const float p = a[i] * c[i], q2 = a[i + half] * s[i];                               \
+                const float p2 = a[i + half] * c[i], q1 = a[i] * s[i];                              \
+                o[i] = p - q2;                                                                      \
+                o[i + half] = p2 + q1;                                                              \
+            }                                                                                       \
+            T *dst = hh < nh ? q_out + (t * nh + hh) * hd : k_cache + (slots[t] * kvh + hh - nh) * hd; \
+            STORE(dst, o, hd);                                                                      \
+        }                                                                                           \
+        memcpy(v_cache + slots[t] * kvh * hd, qkv + t * row + (nh + kvh) * hd, sizeof(T) * (size_t)(kvh * hd)); \
+    }                                                                                               \
+    return 0;                                                                                       \
+}
+
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                  \
+int NAME(const T *gu, T *out, int64_t rows, int64_t I, int num_threads) {                            \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * I >= 65536)")    \
+    for (int64_t t = 0; t < rows; t++) {                                                            \
+        float g[256], u[256];                                                                       \
+        for (int64_t i0 = 0; i0 < I; i0 += 256) {                                                   \
+            const int64_t n = I - i0 < 256 ? I - i0 : 256;                                          \
+            LOAD(gu + t * 2 * I + i0, g, n);                                                        \
+            LOAD(gu + t * 2 * I + I + i0, u, n);                                                    \
+            for (int64_t i = 0; i < n; i++) g[i] = ROUND(ROUND(g[i] / (1.f + expf(-g[i]))) * u[i]); \
+            STORE(out + t * I + i0, g, n);                                                          \
+        }                                                                                           \
+    }                                                                                               \
+    return 0;                                                                                       \
+}
+
+DEFINE_RMS(rms_norm_f32, float, load_f32, store_f32, round_f32)
+DEFINE_RMS(rms_norm_bf16, uint16_t, load_bf16, store_bf16, round_bf16)
+DEFINE_ROPE_STORE(rope_store_f32, float, load_f32, store_f32)
+DEFINE_ROPE_STORE(rope_store_bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, load_f32, store_f32, round_f32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf16)
+
+#pragma GCC pop_options

@@ -38,6 +38,9 @@ def test_kernel_equals_reference(nh, kvh, hd, block_size, dtype):
     assert ours.dtype == dtype and ours.shape == q.shape
     tol = 2e-5 if dtype == torch.float32 else 1e-2          # bf16: the output's own rounding
     torch.testing.assert_close(ours.float(), ref, rtol=tol, atol=tol)
+    # one sequence: the kernel splits it by KV head across the threads instead of by sequence
+    one = cpu_attention.paged_decode_attention(q[4:], kc, vc, tables[4:], ctx[4:], scale)
+    torch.testing.assert_close(one.float(), ref[4:], rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
@@ -166,16 +169,19 @@ def test_encoder_with_the_kernel_equals_the_padded_sdpa_path(monkeypatch, minilm
     torch.testing.assert_close(kernel, enc(ids, pos, AttentionPlan.build(lens)), rtol=1e-4, atol=1e-4)
 
 
-def test_the_encoder_takes_the_varlen_kernel_only_where_avx512_is(monkeypatch):
-    """Measured: the kernel wins with AVX-512 and loses 4-10x to SDPA with AVX2 only."""
-    for flags, want in (("flags\t: fma avx avx2", False), ("flags\t: avx2 avx512f avx512_bf16", True)):
+def test_the_encoder_takes_the_varlen_kernel_on_both_kinds_of_cpu_unless_told(monkeypatch):
+    """Measured (`python -m embedserve.bench.cpu_paths`): in vectors of the machine's width the
+    kernel is ahead of per-sequence SDPA with AVX-512 and with AVX2 only; EMBEDSERVE_CPU_ATTENTION=sdpa
+    keeps SDPA for the encoder (the decode kernel stays), `c` is the default spelled out."""
+    for flags in ("flags\t: fma avx avx2", "flags\t: avx2 avx512f avx512_bf16"):
         monkeypatch.setattr(cpu_attention, "_cpu_id", lambda flags=flags: "model name\t: X\n" + flags)
         monkeypatch.delenv(cpu_attention.ENV, raising=False)
         cpu_attention.varlen_preferred.cache_clear()
-        assert cpu_attention.varlen_preferred() is want, flags
-    monkeypatch.setenv(cpu_attention.ENV, "c")
-    cpu_attention.varlen_preferred.cache_clear()
-    assert cpu_attention.varlen_preferred() is True
+        assert cpu_attention.varlen_preferred() is True, flags
+    for value, want in (("sdpa", False), ("c", True), ("auto", True)):
+        monkeypatch.setenv(cpu_attention.ENV, value)
+        cpu_attention.varlen_preferred.cache_clear()
+        assert cpu_attention.varlen_preferred() is want, value
     monkeypatch.undo()
     cpu_attention.varlen_preferred.cache_clear()
 
@@ -210,3 +216,123 @@ def test_add_layer_norm_refuses_what_it_cannot_run():
         with pytest.raises(ValueError, match="H <= 4096"):
             cpu_attention.add_layer_norm(x, x, torch.ones(7), torch.zeros(7), 1e-5)
 
+
+
+# ---- the decoder's glue kernels: the torch ops they replace (LlamaModel.forward's torch path)
+
+def _torch_rms(x, w, eps):
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * w
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H", [(1, 576), (16, 576), (300, 960), (3, 7)])
+def test_rms_norm_with_and_without_the_residual_equals_torch(dtype, T, H):
+    g = torch.Generator().manual_seed(T + H)
+    x, r = (4 * torch.randn(T, H, generator=g)).to(dtype), torch.randn(T, H, generator=g).to(dtype)
+    w = (1 + 0.2 * torch.randn(H, generator=g)).to(dtype)
+    ref_sum = x + r
+    ref = _torch_rms(ref_sum, w, 1e-5)
+    stream = x.clone()
+    out = cpu_attention.rms_norm(stream, w, 1e-5, r)
+    assert torch.equal(stream, ref_sum)                   # the residual add, in place, rounded as torch's
+    plain = cpu_attention.rms_norm(x.clone(), w, 1e-5)
+    tol = 2e-6 if dtype == torch.float32 else 0
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(plain, _torch_rms(x, w, 1e-5), rtol=tol, atol=tol)
+    else:                                                 # bf16: torch's result but for a rare last bit
+        assert (out != ref).float().mean() < 0.01 and (out.float() - ref.float()).abs().max() <= 0.07 * ref.abs().max()
+        assert (plain != _torch_rms(x, w, 1e-5)).float().mean() < 0.01
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_equals_rope_then_store_kv(dtype):
+    from embedserve.models.attention_dispatch import store_kv
+    nh, kvh, hd, T, bs = 9, 3, 64, 21, 16
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(T, (nh + 2 * kvh) * hd, generator=g).to(dtype)
+    pos = torch.randint(0, 4000, (T,), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    freqs = pos.float()[:, None] * inv_freq[None, :]
+    slots = torch.randperm(8 * bs, generator=g)[:T]
+    kc, vc = torch.zeros(8, bs, kvh, hd, dtype=dtype), torch.zeros(8, bs, kvh, hd, dtype=dtype)
+    q = cpu_attention.rope_store_kv(qkv, freqs.cos(), freqs.sin(), kc, vc, slots, nh, kvh)
+    # the torch path: rotate-half RoPE in float32, rounded once; K/V stored by slot
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+    xf = qkv[:, : (nh + kvh) * hd].view(T, nh + kvh, hd).float()
+    rot = torch.cat((-xf[..., hd // 2:], xf[..., : hd // 2]), -1)
+    qk = (xf * cos + rot * sin).to(dtype)
+    kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+    store_kv(qk[:, nh:], qkv[:, (nh + kvh) * hd:].view(T, kvh, hd), kr, vr, slots)
+    tol = 1e-6 if dtype == torch.float32 else 0
+    torch.testing.assert_close(q, qk[:, :nh], rtol=tol, atol=tol * 10)
+    torch.testing.assert_close(kc, kr, rtol=tol, atol=tol * 10)
+    assert torch.equal(vc, vr)
+    with pytest.raises(RuntimeError, match="slot outside the cache"):
+        cpu_attention.rope_store_kv(qkv, freqs.cos(), freqs.sin(), kc, vc, slots + 8 * bs, nh, kvh)
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,I", [(1, 1536), (40, 300)])
+def test_silu_mul_equals_torch(dtype, T, I):
+    g = torch.Generator().manual_seed(T * I)
+    gu = (3 * torch.randn(T, 2 * I, generator=g)).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    ours = cpu_attention.silu_mul(gu)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    else:
+        assert (ours != ref).float().mean() < 0.01
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decoder_with_the_glue_kernels_equals_its_torch_path(monkeypatch, dtype):
+    """SmolLM2, a prefill of two sequences and five decode steps: the same hidden states as the
+    torch ops (fp32 to float rounding; bf16 within a few of its steps), the same K/V cache."""
+    from embedserve.models.attention_dispatch import AttentionMetadata
+    from embedserve.models.llama import LlamaModel
+    from embedserve.models.registry import resolve_generate_model
+
+    model = LlamaModel.from_dir(resolve_generate_model("SmolLM2-135M-Instruct")[1], dtype)
+    cfg, bs = model.cfg, 16
+    tables = [[0, 1], [2, 3, 4]]
+    bt = torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32)
+
+    def slot(i, p):
+        return tables[i][p // bs] * bs + p % bs
+
+    def run(glue):
+        monkeypatch.setattr(cpu_attention, "decoder_glue_supports", lambda x, k: glue)
+        kv = [(torch.zeros(8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype),
+               torch.zeros(8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype))
+              for _ in range(cfg.num_hidden_layers)]
+        g = torch.Generator().manual_seed(1)
+        lens = [20, 30]
+        meta = AttentionMetadata(torch.tensor([slot(0, p) for p in range(20)] + [slot(1, p) for p in range(30)]), bt,
+                                 torch.tensor(lens, dtype=torch.int32), torch.tensor([0, 20, 50], dtype=torch.int32),
+                                 0, lens, [20, 30])
+        outs = [model.forward(torch.randint(0, 5000, (50,), generator=g),
+                              torch.tensor([*range(20), *range(30)]), kv, meta)]
+        for step in range(5):
+            c = [21 + step, 31 + step]
+            meta = AttentionMetadata(torch.tensor([slot(0, c[0] - 1), slot(1, c[1] - 1)]), bt,
+                                     torch.tensor(c, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+                                     2, c, [1, 1])
+            outs.append(model.forward(torch.randint(0, 5000, (2,), generator=g), torch.tensor(c) - 1, kv, meta))
+        return outs, kv
+
+    (glue, kv_glue), (ref, kv_ref) = run(True), run(False)
+    for a, b in zip(glue, ref):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        else:
+            assert (a.float() - b.float()).abs().max() <= 0.03 * b.float().abs().max()
+    torch.testing.assert_close(kv_glue[-1][0].float(), kv_ref[-1][0].float(),
+                               rtol=1e-4 if dtype == torch.float32 else 0.05, atol=1e-4 if dtype == torch.float32 else 0.1)

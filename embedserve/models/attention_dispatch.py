@@ -120,9 +120,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return be.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         return be.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                           meta.context_lens, scale)
-    out = torch.empty_like(q)
     D = meta.num_decodes
     kernel = D and _cpu_kernel_runs(q, k_cache)
+    if kernel and D == len(meta.context_lens_list):                   # a decode-only step: no copy
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    out = torch.empty_like(q)
     plan = _plan(meta, k_cache.shape[1], decodes=not kernel)
     if kernel:
         out[:D] = cpu_attention.paged_decode_attention(q[:D], k_cache, v_cache, meta.block_tables[:D],

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from kernels import cpu_attention
+
 from .attention_dispatch import AttentionMetadata, paged_attention, store_kv
 from .linear import Linear
 
@@ -161,10 +163,12 @@ class LlamaModel:
         nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         scale = hd ** -0.5
         freqs = positions.float()[:, None] * self.inv_freq[None, :]               # (T, hd/2)
+        x = self.embed[input_ids]                                                 # (T, H)
+        if cpu_attention.decoder_glue_supports(x, kv_caches[0][0]):
+            return self._forward_glue(x, freqs, kv_caches, meta)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]                   # (T, 1, hd)
         sin[..., : hd // 2].neg_()                                                # sin_signed, see _rope
-        x = self.embed[input_ids]                                                 # (T, H)
         T = x.shape[0]
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             h = self._rms(x, layer["in_norm"])
@@ -180,6 +184,25 @@ class LlamaModel:
             gate, up = layer["wgu"](h).chunk(2, dim=-1)                           # (T, I) each
             x = x + layer["wd"](F.silu(gate) * up)
         return self._rms(x, self.norm)
+
+    def _forward_glue(self, x: torch.Tensor, freqs: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """`forward` on a CPU with the C glue kernels: per layer 4 matmuls, attention and 4 calls
+        (residual add + RMSNorm, RoPE + K/V store, SiLU * up) instead of ~40 torch ops; the same
+        arithmetic in the same order and rounding (tests/test_cpu_attention.py, test_generate_equivalence.py)."""
+        cfg = self.cfg
+        nh, kvh, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        T = x.shape[0]
+        x = x.clone()                                    # the residual stream, updated in place
+        cos, sin = freqs.cos(), freqs.sin()              # (T, hd/2): torch's values, as `forward`
+        residual = None
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            h = cpu_attention.rms_norm(x, layer["in_norm"], eps, residual)
+            q = cpu_attention.rope_store_kv(layer["wqkv"](h), cos, sin, kc, vc, meta.slot_mapping, nh, kvh)
+            o = paged_attention(q, kc, vc, meta, hd ** -0.5)                      # (T, nh, hd)
+            h = cpu_attention.rms_norm(x, layer["post_norm"], eps, layer["wo"](o.reshape(T, nh * hd)))
+            residual = layer["wd"](cpu_attention.silu_mul(layer["wgu"](h)))
+        return cpu_attention.rms_norm(x, self.norm, eps, residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, H) -> (n, V) float32 logits."""
