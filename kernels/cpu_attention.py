@@ -1,6 +1,8 @@
 """Attention on the CPU from small C kernels (`cpu_paged_attention.c`), compiled at first use
 with the machine's C compiler and called through ctypes: paged decode attention for the decoder,
-and `varlen_attention` for the encoder (packed sequences, no padding).
+`varlen_attention` for the encoder (packed sequences, no padding), and the glue between the
+decoder's matmuls (`rms_norm` with the residual add, `rope_store_kv`, `silu_mul`) and the
+encoder's `add_layer_norm`: one call each where torch dispatches 4-12 small ops.
 
 Why: the torch path gathers each sequence's K/V blocks into a copy and runs SDPA, whose CPU
 kernel spends most of a one-token query on setup. Profile of one 16-sequence SmolLM2 decode

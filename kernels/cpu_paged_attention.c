@@ -1,5 +1,7 @@
-/* CPU kernels: paged decode attention, encoder attention over packed sequences, and the
- * encoder's residual add + LayerNorm in one pass (the last two at the end of the file).
+/* CPU kernels: paged decode attention, encoder attention over packed sequences, the encoder's
+ * residual add + LayerNorm in one pass, and the decoder's glue (RMSNorm, RoPE + K/V store,
+ * SiLU * up), in that order. Vectors are of the machine's width (VW floats: 16 with AVX-512, 8
+ * otherwise); GCC's generic 16-float vectors on an AVX2-only CPU went through the stack.
  *
  * Paged decode attention: one query token per sequence reads its K/V straight from
  * the paged cache through its block table (no gather copy), all query heads of a KV head at

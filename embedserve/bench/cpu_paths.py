@@ -1,20 +1,24 @@
 """Which CPU path is faster on this machine, measured side by side in one run: the int8 matmuls
 (`torch._int_mm`, fbgemm) against the packed fp32 linear at the encoder's shapes, the encoder's
-varlen C attention kernel against per-sequence SDPA, and the whole encoder in process in fp32
-and int8 with the attention the encoder picks here. The choices `embedserve.models.int8` and
-`kernels.cpu_attention.varlen_preferred` make by CPU flags rest on these numbers.
+varlen C attention kernel against per-sequence SDPA (alone and in the whole encoder, fp32), the
+encoder in process in fp32 and int8, and the decoder's step with its C glue kernels against the
+torch ops they replace (fp32, 1 and 16 sequences, alternated blocks of steps in one engine). The
+choices `embedserve.models.int8`, `kernels.cpu_attention.varlen_preferred` and
+`cpu_attention.decoder_glue_supports` make by CPU rest on these numbers.
 
-    python -m embedserve.bench.cpu_paths            # ~7 minutes on 2 AVX2 cores; prints a markdown table
+    python -m embedserve.bench.cpu_paths            # ~10 minutes on 2 AVX2 cores; prints a markdown table
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -93,11 +97,61 @@ def encoders() -> list[dict]:
         encs = {"float32": model.encoder, "int8": load_encoder(path, "int8")}
         row = {"model": m, "tokens": tokens,
                "attention": "C kernel" if cpu_attention.varlen_preferred() else "SDPA"}
-        for prec in ("float32", "int8", "float32", "int8"):          # alternated: the machine drifts
-            ms = _best_ms(lambda: [model._embed_with(encs[prec], b, {"dense"}) for b in batches], reps=3)
-            row[prec] = max(row.get(prec, 0.0), tokens / ms * 1e3)
+        runs = (("float32", "float32", None), ("int8", "int8", None), ("float32_sdpa", "float32", False))
+        for _ in range(2):                                           # alternated: the machine drifts
+            for key, prec, kernel in runs:
+                with mock.patch.object(cpu_attention, "varlen_preferred",
+                                       cpu_attention.varlen_preferred if kernel is None else (lambda: kernel)):
+                    ms = _best_ms(lambda: [model._embed_with(encs[prec], b, {"dense"}) for b in batches], reps=3)
+                row[key] = max(row.get(key, 0.0), tokens / ms * 1e3)
         row["int8_over_fp32"] = row["int8"] / row["float32"]
+        row["kernel_over_sdpa_fp32"] = row["float32"] / row["float32_sdpa"]
         out.append(row)
+    return out
+
+
+def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
+    """ms per decode step of SmolLM2 in fp32 with the C glue kernels and with the torch ops, in
+    alternated blocks of `steps` steps on one engine (the same sequences, the same KV cache)."""
+    from transformers import AutoTokenizer
+
+    from embedserve.bench.decode_bench import _prompts
+    from embedserve.engine.decode_engine import DecodeEngine, DecodeEngineConfig, _Detok
+    from embedserve.engine.sequence import SamplingParams, Sequence
+    from embedserve.models.llama import LlamaModel
+    from embedserve.models.registry import resolve_generate_model
+    from kernels import cpu_attention
+    if cpu_attention.available() is not None:
+        return [{"not_run": cpu_attention.available()}]
+    _, path = resolve_generate_model("SmolLM2-135M-Instruct")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = LlamaModel.from_dir(path, dtype=torch.float32)
+    glue_on = cpu_attention.decoder_glue_supports
+    out = []
+    for batch in batches:
+        eng = DecodeEngine(model, tok, DecodeEngineConfig(num_blocks=1024, block_size=16, max_model_len=2048,
+                                                          max_num_batched_tokens=2048, max_num_seqs=max(64, batch)))
+        params = SamplingParams(temperature=0, max_tokens=rounds * steps + 8, ignore_eos=True)
+        for ids in _prompts(tok, batch, 128, seed=3):
+            seq = Sequence(next(eng._ids), list(ids), params)
+            eng._detok[seq.seq_id] = _Detok(tok, ())
+            eng.scheduler.add(seq)
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        for _ in range(4):
+            eng.step()
+        times = {True: [], False: []}
+        for r in range(rounds):
+            glue = r % 2 == 0
+            with mock.patch.object(cpu_attention, "decoder_glue_supports", glue_on if glue else (lambda x, k: False)):
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    eng.step()
+                    times[glue].append(time.perf_counter() - t0)
+        while eng.scheduler.has_work():
+            eng.step()
+        g, t = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
+        out.append({"sequences": batch, "glue_ms_per_step": g, "torch_ops_ms_per_step": t, "speedup": t / g})
     return out
 
 
@@ -112,10 +166,16 @@ def markdown(res: dict) -> str:
               "|---|---|---|"]
     lines += [f"| {r['heads']} heads, {r['tokens']} tokens | {r['c_kernel_ms']:.1f} | {r['sdpa_per_sequence_ms']:.1f} |"
               if "not_run" not in r else f"| not run: {r['not_run']} | | |" for r in res["attention"]]
-    lines += ["", "| encoder in process, 4,096-token batches | attention | fp32 tokens/s | int8 tokens/s | int8 / fp32 |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| encoder in process, 4,096-token batches | attention | fp32 tokens/s | int8 tokens/s | int8 / fp32 "
+              "| fp32 with SDPA tokens/s | kernel / SDPA |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['model']} ({r['tokens']} tokens) | {r['attention']} | {r['float32']:.0f} | {r['int8']:.0f} | "
-              f"{r['int8_over_fp32']:.2f}× |" for r in res["encoders"]]
+              f"{r['int8_over_fp32']:.2f}× | {r['float32_sdpa']:.0f} | {r['kernel_over_sdpa_fp32']:.2f}× |"
+              for r in res["encoders"]]
+    lines += ["", "| SmolLM2 decode step, fp32, 128-token prompts | C glue kernels ms/step | torch ops ms/step | speedup |",
+              "|---|---|---|---|"]
+    lines += [f"| {r['sequences']} sequences | {r['glue_ms_per_step']:.1f} | {r['torch_ops_ms_per_step']:.1f} | "
+              f"{r['speedup']:.2f}× |" if "not_run" not in r else f"| not run: {r['not_run']} | | | |"
+              for r in res.get("decoder", [])]
     return "\n".join(lines)
 
 
@@ -133,6 +193,7 @@ def main(argv=None) -> int:
     res["matmuls"] = matmuls()
     res["attention"] = attention()
     res["encoders"] = encoders()
+    res["decoder"] = decoder()
     kind = "avx512" if "avx512f" in flags else "avx2"
     out = Path(args.out) if args.out else RESULTS / f"cpu_paths-{kind}.json"
     out.write_text(json.dumps(res, indent=2) + "\n")
