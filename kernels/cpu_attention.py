@@ -274,7 +274,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     add), so one call is the residual add and the next layer's norm."""
     lib = _library()[0]
     out = torch.empty_like(x)
-    r = 0 if residual is None else residual.contiguous().data_ptr()
+    weight = weight.to(x.dtype).contiguous()
+    residual = None if residual is None else residual.to(x.dtype).contiguous()     # held: its pointer is passed
+    r = 0 if residual is None else residual.data_ptr()
     rc = getattr(lib, "rms_norm_" + _SUFFIX[x.dtype])(x.data_ptr(), r, weight.data_ptr(), out.data_ptr(),
                                                      x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
     if rc != 0:

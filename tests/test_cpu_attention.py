@@ -237,6 +237,8 @@ def test_rms_norm_with_and_without_the_residual_equals_torch(dtype, T, H):
     out = cpu_attention.rms_norm(stream, w, 1e-5, r)
     assert torch.equal(stream, ref_sum)                   # the residual add, in place, rounded as torch's
     plain = cpu_attention.rms_norm(x.clone(), w, 1e-5)
+    wide = torch.cat([r, torch.zeros_like(r)], dim=1)[:, :H]            # a non-contiguous residual view
+    assert torch.equal(cpu_attention.rms_norm(x.clone(), w, 1e-5, wide), out)
     tol = 2e-6 if dtype == torch.float32 else 0
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
