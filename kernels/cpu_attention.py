@@ -262,10 +262,12 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def decoder_glue_supports(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Hidden states (T, H) and a KV cache the glue kernels take: float32 or bfloat16 on the CPU,
-    one dtype, H at most 4,096, the cache contiguous; and the library built."""
+    """Hidden states (T, H) and a KV cache [blocks, block_size, kvh, hd] the glue kernels take:
+    float32 or bfloat16 on the CPU, one dtype, H at most 4,096, hd even and at most 256, the cache
+    contiguous; and the library built."""
     return (x.device.type == "cpu" and x.dtype in _SUFFIX and k_cache.dtype == x.dtype and x.dim() == 2
-            and x.shape[1] <= 4096 and x.is_contiguous() and k_cache.is_contiguous() and available() is None)
+            and x.shape[1] <= 4096 and k_cache.shape[-1] <= 256 and k_cache.shape[-1] % 2 == 0
+            and x.is_contiguous() and k_cache.is_contiguous() and available() is None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -273,6 +273,9 @@ def test_rope_store_equals_rope_then_store_kv(dtype):
     torch.testing.assert_close(q, qk[:, :nh], rtol=tol, atol=tol * 10)
     torch.testing.assert_close(kc, kr, rtol=tol, atol=tol * 10)
     assert torch.equal(vc, vr)
+    assert cpu_attention.decoder_glue_supports(torch.zeros(3, 576, dtype=dtype), kc)
+    assert not cpu_attention.decoder_glue_supports(torch.zeros(3, 576, dtype=dtype), torch.zeros(2, bs, 1, 512, dtype=dtype))
+    assert not cpu_attention.decoder_glue_supports(torch.zeros(3, 576, dtype=torch.float16), kc.half())
     with pytest.raises(RuntimeError, match="slot outside the cache"):
         cpu_attention.rope_store_kv(qkv, freqs.cos(), freqs.sin(), kc, vc, slots + 8 * bs, nh, kvh)
 

@@ -193,7 +193,7 @@ class LlamaModel:
         cfg = self.cfg
         nh, kvh, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         T = x.shape[0]
-        x = x.clone()                                    # the residual stream, updated in place
+        # x (the embedding rows, a fresh tensor) is the residual stream, updated in place
         cos, sin = freqs.cos(), freqs.sin()              # (T, hd/2): torch's values, as `forward`
         residual = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
