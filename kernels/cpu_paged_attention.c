@@ -185,13 +185,13 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
     const int vec_path = hd % (2 * VW) == 0;                                                        \
     /* a task: a whole sequence (all its KV heads) where there are sequences enough for the        \
      * threads, else one (sequence, KV head) so that one long sequence still uses them all */      \
-    const int64_t per = vec_path && num_seqs >= 2 * num_threads ? kvh : 1, tasks = kvh / per;        \
+    const int64_t whole = (2 * hd * kvh + 1) * max_n * (int64_t)sizeof(float) <= (32 << 20);         \
+    const int64_t per = vec_path && whole && num_seqs >= 2 * num_threads ? kvh : 1, tasks = kvh / per; \
     int failed = 0;                                                                                 \
     _Pragma("omp parallel num_threads(num_threads)")                                                \
     {                                                                                               \
         float *scratch = vec_path ? (float *)malloc(sizeof(float) * (size_t)((2 * hd * per + 1) * max_n + 16)) \
                                   : NULL;                                                           \
-        if (vec_path && !scratch) failed = 1;                                                       \
         _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                         \
         for (int64_t s = 0; s < num_seqs; s++) {                                                    \
             for (int64_t k = 0; k < tasks; k++) {                                                   \
@@ -209,8 +209,10 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
                         ATTEND_VEC(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, 128, block_size, scale, kf, vf, p); \
                     else                                                                            \
                         ATTEND_VEC(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, hd, block_size, scale, kf, vf, p); \
-                } else if (!vec_path) {                                                             \
-                    rc = ATTEND(qs, k_cache, v_cache, table, n, os, kvh, h, g, hd, block_size, scale); \
+                } else {                 /* or where the scratch could not be had: no scratch */ \
+                    for (int64_t hh = h; hh < h + per && !rc; hh++)                                \
+                        rc = ATTEND(q + (s * nh + hh * g) * hd, k_cache, v_cache, table, n,          \
+                                    out + (s * nh + hh * g) * hd, kvh, hh, g, hd, block_size, scale); \
                 }                                                                                   \
                 if (rc) failed = 1;                                                                 \
             }                                                                                       \
