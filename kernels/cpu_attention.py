@@ -132,18 +132,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
         return None, f"loading {target.name} failed: {exc}"
-    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _ARGS, ctypes.c_int
-    for name in ("varlen_attention_f32", "varlen_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _VARLEN_ARGS, ctypes.c_int
-    for names, args in ((("add_layer_norm_f32", "add_layer_norm_bf16"), _ADD_LN_ARGS),
-                        (("rms_norm_f32", "rms_norm_bf16"), _RMS_ARGS),
-                        (("rope_store_f32", "rope_store_bf16"), _ROPE_ARGS),
-                        (("silu_mul_f32", "silu_mul_bf16"), _SILU_ARGS)):
-        for name in names:
-            fn = getattr(lib, name)
+    for kernel, args in (("paged_decode_attention", _ARGS), ("varlen_attention", _VARLEN_ARGS),
+                         ("add_layer_norm", _ADD_LN_ARGS), ("rms_norm", _RMS_ARGS), ("rope_store", _ROPE_ARGS),
+                         ("silu_mul", _SILU_ARGS)):
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, f"{kernel}_{suffix}")
             fn.argtypes, fn.restype = args, ctypes.c_int
     return lib, None
 
@@ -153,14 +146,15 @@ def available() -> str | None:
     return _library()[1]
 
 
-_FUNCS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
+# the dtypes the kernels take, and the suffix of each kernel's symbol for it (`rms_norm_bf16`)
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The shapes and dtypes the kernel takes (else the caller keeps the torch path)."""
     nh, hd = q.shape[1], q.shape[2]
     kvh = k_cache.shape[2]
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in _FUNCS and nh % kvh == 0
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in _SUFFIX and nh % kvh == 0
             and nh // kvh <= 16 and hd <= 256 and k_cache.is_contiguous())
 
 
@@ -178,7 +172,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ctx = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     B, nh, hd = q.shape
-    rc = getattr(lib, _FUNCS[q.dtype])(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
+    rc = getattr(lib, "paged_decode_attention_" + _SUFFIX[q.dtype])(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
                                        bt.shape[1], ctx.data_ptr(), out.data_ptr(), B, nh, k_cache.shape[2], hd,
                                        k_cache.shape[1], float(scale), torch.get_num_threads())
     if rc != 0:
@@ -190,7 +184,7 @@ def varlen_supports(qkv: torch.Tensor, num_heads: int) -> bool:
     """The encoder shapes the varlen kernel takes: head_dim a multiple of 16, at most 64."""
     three_h = qkv.shape[-1]
     hd = three_h // (3 * num_heads)
-    return (qkv.device.type == "cpu" and qkv.dtype in _FUNCS and qkv.dim() == 2 and 3 * num_heads * hd == three_h
+    return (qkv.device.type == "cpu" and qkv.dtype in _SUFFIX and qkv.dim() == 2 and 3 * num_heads * hd == three_h
             and hd % 16 == 0 and hd <= 64)
 
 
@@ -219,8 +213,7 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int
     qkv = qkv.contiguous()
     cu = cu_seqlens.to(torch.int32).contiguous()
     out = torch.empty(T, num_heads * hd, dtype=qkv.dtype)
-    name = "varlen_attention_f32" if qkv.dtype == torch.float32 else "varlen_attention_bf16"
-    rc = getattr(lib, name)(qkv.data_ptr(), out.data_ptr(), cu.data_ptr(), cu.numel() - 1, num_heads, hd,
+    rc = getattr(lib, "varlen_attention_" + _SUFFIX[qkv.dtype])(qkv.data_ptr(), out.data_ptr(), cu.data_ptr(), cu.numel() - 1, num_heads, hd,
                             float(scale), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"cpu varlen attention failed (code {rc})")
@@ -229,7 +222,7 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int
 
 def add_layer_norm_supports(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
     """(T, H) float32 or bfloat16 CPU tensors of one dtype, H at most 4,096."""
-    return (x.device.type == "cpu" and x.dtype in _FUNCS and x.dim() == 2 and x.shape == y.shape
+    return (x.device.type == "cpu" and x.dtype in _SUFFIX and x.dim() == 2 and x.shape == y.shape
             and x.shape[1] <= 4096 and all(t.dtype == x.dtype and t.device.type == "cpu" for t in (y, weight, bias))
             and weight.shape == bias.shape == (x.shape[1],))
 
@@ -246,19 +239,15 @@ def add_layer_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias:
                          "on the CPU, H <= 4096")
     x, y, weight, bias = x.contiguous(), y.contiguous(), weight.contiguous(), bias.contiguous()
     out = torch.empty_like(x)
-    name = "add_layer_norm_f32" if x.dtype == torch.float32 else "add_layer_norm_bf16"
-    rc = getattr(lib, name)(x.data_ptr(), y.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
+    rc = getattr(lib, "add_layer_norm_" + _SUFFIX[x.dtype])(x.data_ptr(), y.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
                             x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"cpu add_layer_norm failed (code {rc})")
     return out
 
 
-
 # ---- the decoder's glue (cpu_paged_attention.c, last section): one call per step instead of
 # 4-12 torch ops. Callers check `decoder_glue_supports` once per step; the functions assume it.
-
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def decoder_glue_supports(x: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -115,9 +115,7 @@ def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
     alternated blocks of `steps` steps on one engine (the same sequences, the same KV cache)."""
     from transformers import AutoTokenizer
 
-    from embedserve.bench.decode_bench import _prompts
-    from embedserve.engine.decode_engine import DecodeEngine, DecodeEngineConfig, _Detok
-    from embedserve.engine.sequence import SamplingParams, Sequence
+    from embedserve.bench.profile import decoding_engine
     from embedserve.models.llama import LlamaModel
     from embedserve.models.registry import resolve_generate_model
     from kernels import cpu_attention
@@ -129,17 +127,7 @@ def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
     glue_on = cpu_attention.decoder_glue_supports
     out = []
     for batch in batches:
-        eng = DecodeEngine(model, tok, DecodeEngineConfig(num_blocks=1024, block_size=16, max_model_len=2048,
-                                                          max_num_batched_tokens=2048, max_num_seqs=max(64, batch)))
-        params = SamplingParams(temperature=0, max_tokens=rounds * steps + 8, ignore_eos=True)
-        for ids in _prompts(tok, batch, 128, seed=3):
-            seq = Sequence(next(eng._ids), list(ids), params)
-            eng._detok[seq.seq_id] = _Detok(tok, ())
-            eng.scheduler.add(seq)
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
-            eng.step()
-        for _ in range(4):
-            eng.step()
+        eng = decoding_engine(model, tok, batch, 128, rounds * steps + 8, warm=4)
         times = {True: [], False: []}
         for r in range(rounds):
             glue = r % 2 == 0

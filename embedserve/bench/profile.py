@@ -100,28 +100,19 @@ def _restore(patches: list) -> None:
         setattr(obj, attr, fn)
 
 
-def profile_decode(dtype: str, batch: int, prompt_len: int, steps: int, warm: int = 8) -> dict:
-    from transformers import AutoTokenizer
-
+def decoding_engine(model, tok, batch: int, prompt_len: int, max_tokens: int, warm: int):
+    """A DecodeEngine in steady decode: a 4-token warm-up generation, then `batch` greedy
+    sequences of `prompt_len`-token prompts (`max_tokens` each, ignore_eos) queued, their prefill
+    run and `warm` decode steps taken. What `profile_decode` and `cpu_paths.decoder` time."""
     from embedserve.bench.decode_bench import _prompts
-    from embedserve.engine.decode_engine import DecodeEngine, DecodeEngineConfig
-    from embedserve.engine.sequence import SamplingParams
-    from embedserve.models.llama import LlamaModel
-    from embedserve.models.registry import resolve_generate_model
-    from embedserve.precision import cpu_flags, decoder_precision
+    from embedserve.engine.decode_engine import DecodeEngine, DecodeEngineConfig, _Detok
+    from embedserve.engine.sequence import SamplingParams, Sequence
 
-    _, path = resolve_generate_model("SmolLM2-135M-Instruct")
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tdtype = getattr(torch, decoder_precision(dtype, "cpu"))
-    model = LlamaModel.from_dir(path, dtype=tdtype)
     eng = DecodeEngine(model, tok, DecodeEngineConfig(num_blocks=1024, block_size=16, max_model_len=2048,
                                                       max_num_batched_tokens=2048, max_num_seqs=max(64, batch)))
     prompts = _prompts(tok, batch, prompt_len, seed=3)
-    params = SamplingParams(temperature=0, max_tokens=warm + steps + 1, ignore_eos=True)
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))   # warm-up
-    # queue the batch, run the prefill and `warm` decode steps unprofiled
-    from embedserve.engine.decode_engine import _Detok
-    from embedserve.engine.sequence import Sequence
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for ids in prompts:
         seq = Sequence(next(eng._ids), list(ids), params)
         eng._detok[seq.seq_id] = _Detok(tok, ())
@@ -130,6 +121,22 @@ def profile_decode(dtype: str, batch: int, prompt_len: int, steps: int, warm: in
         eng.step()
     for _ in range(warm):
         eng.step()
+    return eng
+
+
+def profile_decode(dtype: str, batch: int, prompt_len: int, steps: int, warm: int = 8) -> dict:
+    from transformers import AutoTokenizer
+
+    from embedserve.models.llama import LlamaModel
+    from embedserve.models.registry import resolve_generate_model
+    from embedserve.precision import cpu_flags, decoder_precision
+
+    _, path = resolve_generate_model("SmolLM2-135M-Instruct")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tdtype = getattr(torch, decoder_precision(dtype, "cpu"))
+    model = LlamaModel.from_dir(path, dtype=tdtype)
+    # the prefill and `warm` decode steps unprofiled
+    eng = decoding_engine(model, tok, batch, prompt_len, warm + steps + 1, warm)
     # unprofiled steady steps: the wall time per step without profiler overhead
     plain = []
     for _ in range(steps // 2):
