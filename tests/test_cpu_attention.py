@@ -4,6 +4,7 @@ why and the model keeps the torch path."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_attention, reference
 
@@ -299,16 +300,10 @@ def test_silu_mul_equals_torch(dtype, T, I):
         torch.testing.assert_close(ours.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_decoder_with_the_glue_kernels_equals_its_torch_path(monkeypatch, dtype):
-    """SmolLM2, a prefill of two sequences and five decode steps: the same hidden states as the
-    torch ops (fp32 to float rounding; bf16 within a few of its steps), the same K/V cache."""
+def _prefill_then_decode(model, dtype):
+    """A prefill of two sequences (20 and 30 tokens, 50 rows) and five decode steps (2 rows each):
+    the hidden states of each forward and the KV caches."""
     from embedserve.models.attention_dispatch import AttentionMetadata
-    from embedserve.models.llama import LlamaModel
-    from embedserve.models.registry import resolve_generate_model
-
-    model = LlamaModel.from_dir(resolve_generate_model("SmolLM2-135M-Instruct")[1], dtype)
     cfg, bs = model.cfg, 16
     tables = [[0, 1], [2, 3, 4]]
     bt = torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32)
@@ -316,25 +311,37 @@ def test_the_decoder_with_the_glue_kernels_equals_its_torch_path(monkeypatch, dt
     def slot(i, p):
         return tables[i][p // bs] * bs + p % bs
 
+    kv = [(torch.zeros(8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype),
+           torch.zeros(8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype))
+          for _ in range(cfg.num_hidden_layers)]
+    g = torch.Generator().manual_seed(1)
+    lens = [20, 30]
+    meta = AttentionMetadata(torch.tensor([slot(0, p) for p in range(20)] + [slot(1, p) for p in range(30)]), bt,
+                             torch.tensor(lens, dtype=torch.int32), torch.tensor([0, 20, 50], dtype=torch.int32),
+                             0, lens, [20, 30])
+    outs = [model.forward(torch.randint(0, 5000, (50,), generator=g), torch.tensor([*range(20), *range(30)]), kv, meta)]
+    for step in range(5):
+        c = [21 + step, 31 + step]
+        meta = AttentionMetadata(torch.tensor([slot(0, c[0] - 1), slot(1, c[1] - 1)]), bt,
+                                 torch.tensor(c, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+                                 2, c, [1, 1])
+        outs.append(model.forward(torch.randint(0, 5000, (2,), generator=g), torch.tensor(c) - 1, kv, meta))
+    return outs, kv
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decoder_with_the_glue_kernels_equals_its_torch_path(monkeypatch, dtype):
+    """SmolLM2, a prefill of two sequences and five decode steps: the same hidden states as the
+    torch ops (fp32 to float rounding; bf16 within a few of its steps), the same K/V cache."""
+    from embedserve.models.llama import LlamaModel
+    from embedserve.models.registry import resolve_generate_model
+
+    model = LlamaModel.from_dir(resolve_generate_model("SmolLM2-135M-Instruct")[1], dtype)
+
     def run(glue):
         monkeypatch.setattr(cpu_attention, "decoder_glue_supports", lambda x, k: glue)
-        kv = [(torch.zeros(8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype),
-               torch.zeros(8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype))
-              for _ in range(cfg.num_hidden_layers)]
-        g = torch.Generator().manual_seed(1)
-        lens = [20, 30]
-        meta = AttentionMetadata(torch.tensor([slot(0, p) for p in range(20)] + [slot(1, p) for p in range(30)]), bt,
-                                 torch.tensor(lens, dtype=torch.int32), torch.tensor([0, 20, 50], dtype=torch.int32),
-                                 0, lens, [20, 30])
-        outs = [model.forward(torch.randint(0, 5000, (50,), generator=g),
-                              torch.tensor([*range(20), *range(30)]), kv, meta)]
-        for step in range(5):
-            c = [21 + step, 31 + step]
-            meta = AttentionMetadata(torch.tensor([slot(0, c[0] - 1), slot(1, c[1] - 1)]), bt,
-                                     torch.tensor(c, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
-                                     2, c, [1, 1])
-            outs.append(model.forward(torch.randint(0, 5000, (2,), generator=g), torch.tensor(c) - 1, kv, meta))
-        return outs, kv
+        return _prefill_then_decode(model, dtype)
 
     (glue, kv_glue), (ref, kv_ref) = run(True), run(False)
     for a, b in zip(glue, ref):
@@ -344,3 +351,64 @@ def test_the_decoder_with_the_glue_kernels_equals_its_torch_path(monkeypatch, dt
             assert (a.float() - b.float()).abs().max() <= 0.03 * b.float().abs().max()
     torch.testing.assert_close(kv_glue[-1][0].float(), kv_ref[-1][0].float(),
                                rtol=1e-4 if dtype == torch.float32 else 0.05, atol=1e-4 if dtype == torch.float32 else 0.1)
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("M", [1, 5, 8, 32])
+@pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (13, 37), (8, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_equals_a_float64_linear(M, N, K, bias):
+    """Row blocks of 8 with a tail (N = 13), K not a multiple of the vector width (37), one row to
+    GEMV_MAX_ROWS; against F.linear in float64, and against F.linear in float32 to its rounding."""
+    g = torch.Generator().manual_seed(M * N + K)
+    w, x = torch.randn(N, K, generator=g) * 0.05, torch.randn(M, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    assert cpu_attention.gemv_supports(x, w)
+    out = cpu_attention.gemv(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.dtype == torch.float32 and out.shape == (M, N)
+    assert float((out.double() - ref).abs().max()) < 1e-5 * max(1.0, float(ref.abs().max())) * K ** 0.5
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # a non-contiguous input (a column slice) is read as its values
+    wide = torch.randn(M, K + 3, generator=g)
+    torch.testing.assert_close(cpu_attention.gemv(wide[:, 3:], w, b), F.linear(wide[:, 3:], w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_takes_only_a_few_float32_rows_against_a_contiguous_weight():
+    w, x = torch.randn(16, 24), torch.randn(4, 24)
+    if WHY is None:
+        assert cpu_attention.gemv_supports(x, w)
+    assert not cpu_attention.gemv_supports(x.bfloat16(), w.bfloat16())
+    assert not cpu_attention.gemv_supports(torch.randn(cpu_attention.GEMV_MAX_ROWS + 1, 24), w)
+    assert not cpu_attention.gemv_supports(x, torch.randn(24, 16).T)                 # not contiguous
+    assert not cpu_attention.gemv_supports(torch.randn(4, 23), w)                     # K differs
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+def test_the_decoder_with_gemv_equals_its_packed_matmul_path(monkeypatch):
+    """SmolLM2 in fp32: its decode steps (2 rows) take `gemv` on the row-major weights, the 50-row
+    prefill the packed matmul; with `gemv` off every forward takes the packed matmul. The same
+    hidden states and KV cache to float rounding; the tied head's row-major matrix is the
+    embedding table itself (no copy)."""
+    from embedserve.models import linear
+    from embedserve.models.llama import LlamaModel
+    from embedserve.models.registry import resolve_generate_model
+
+    model = LlamaModel.from_dir(resolve_generate_model("SmolLM2-135M-Instruct")[1], torch.float32)
+    assert model.tied and model.lm_head.rows_weight is model.embed
+    assert all(layer[k].rows_weight is not None for layer in model.layers for k in ("wqkv", "wo", "wgu", "wd"))
+    calls = []
+    real = cpu_attention.gemv
+    monkeypatch.setattr(cpu_attention, "gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    (fast, kv_fast) = _prefill_then_decode(model, torch.float32)
+    assert calls and set(calls) == {2}                          # the decode steps' rows only, 4 linears x 30 layers x 5
+    assert len(calls) == 5 * 4 * model.cfg.num_hidden_layers
+    monkeypatch.setattr(linear, "GEMV_MAX_ROWS", 0)
+    calls.clear()
+    (ref, kv_ref) = _prefill_then_decode(model, torch.float32)
+    assert not calls
+    for a, b in zip(fast, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_fast[-1][0], kv_ref[-1][0], rtol=1e-4, atol=1e-4)
+    h = fast[-1]
+    torch.testing.assert_close(model.logits(h), F.linear(h, model.embed), rtol=1e-4, atol=1e-4)

@@ -57,3 +57,29 @@ def test_fused_activation_equals_activation_after_the_linear(act, fn, pack):
 def test_unknown_activation_is_refused():
     with pytest.raises(ValueError, match="activation 'swish'"):
         Linear(torch.randn(4, 4), act="swish")
+
+
+def test_small_rows_keeps_the_row_major_weight_for_gemv_where_it_runs(monkeypatch):
+    """`small_rows`: a few rows through `gemv` on the kept original, more through the packed (or
+    plain) matmul; the same values either way. Not kept for bf16, with an activation, or with
+    EMBEDSERVE_DECODE_GEMV=0."""
+    from kernels import cpu_attention
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, generator=g)
+    why = linear_mod.small_rows_kernel(torch.float32)
+    lin = Linear(w, b, small_rows=True)
+    assert (lin.rows_weight is w) == (why is None)
+    assert lin.extra_bytes() == (w.numel() * 4 if why is None and lin.packed is not None else 0)
+    calls = []
+    real = cpu_attention.gemv
+    monkeypatch.setattr(cpu_attention, "gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, cpu_attention.GEMV_MAX_ROWS, cpu_attention.GEMV_MAX_ROWS + 1, 100):
+        x = torch.randn(rows, 64, generator=g)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert calls == ([1, cpu_attention.GEMV_MAX_ROWS] if why is None else [])
+    assert Linear(w.bfloat16(), small_rows=True).rows_weight is None
+    assert Linear(w, small_rows=True, act="gelu").rows_weight is None
+    assert Linear(w).rows_weight is None and Linear(w).extra_bytes() == 0
+    monkeypatch.setenv(linear_mod.GEMV_ENV, "0")
+    assert linear_mod.small_rows_kernel(torch.float32) == f"{linear_mod.GEMV_ENV}=0"
+    assert Linear(w, small_rows=True).rows_weight is None

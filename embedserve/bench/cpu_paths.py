@@ -1,10 +1,11 @@
 """Which CPU path is faster on this machine, measured side by side in one run: the int8 matmuls
 (`torch._int_mm`, fbgemm) against the packed fp32 linear at the encoder's shapes, the encoder's
 varlen C attention kernel against per-sequence SDPA (alone and in the whole encoder, fp32), the
-encoder in process in fp32 and int8, and the decoder's step with its C glue kernels against the
-torch ops they replace (fp32, 1 and 16 sequences, alternated blocks of steps in one engine). The
-choices `embedserve.models.int8`, `kernels.cpu_attention.varlen_preferred` and
-`cpu_attention.decoder_glue_supports` make by CPU rest on these numbers.
+encoder in process in fp32 and int8, and the decoder's step as it runs against the same step with
+its `gemv` (steps of up to 16 sequences) replaced by the packed matmul and with its C glue kernels
+replaced by the torch ops (fp32, 1 and 16 sequences, alternated blocks of steps in one engine).
+The choices `embedserve.models.int8`, `kernels.cpu_attention.varlen_preferred`,
+`cpu_attention.decoder_glue_supports` and `GEMV_MAX_ROWS` make by CPU rest on these numbers.
 
     python -m embedserve.bench.cpu_paths            # ~10 minutes on 2 AVX2 cores; prints a markdown table
 """
@@ -12,6 +13,7 @@ choices `embedserve.models.int8`, `kernels.cpu_attention.varlen_preferred` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -110,12 +112,19 @@ def encoders() -> list[dict]:
     return out
 
 
+# the decoder's CPU choices, each turned off alone against the path as it runs (glue + gemv)
+DECODER_PATHS = ("as run", "packed matmul, no gemv", "torch ops, no glue")
+
+
 def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
-    """ms per decode step of SmolLM2 in fp32 with the C glue kernels and with the torch ops, in
-    alternated blocks of `steps` steps on one engine (the same sequences, the same KV cache)."""
+    """ms per decode step of SmolLM2 in fp32 as it runs (the C glue kernels and, for steps of up to
+    16 sequences, `gemv` on the row-major weights), with the packed matmul instead of `gemv`, and with
+    the torch ops instead of the glue: alternated blocks of `steps` steps on one engine (the same
+    sequences, the same KV cache)."""
     from transformers import AutoTokenizer
 
     from embedserve.bench.profile import decoding_engine
+    from embedserve.models import linear
     from embedserve.models.llama import LlamaModel
     from embedserve.models.registry import resolve_generate_model
     from kernels import cpu_attention
@@ -124,22 +133,27 @@ def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
     _, path = resolve_generate_model("SmolLM2-135M-Instruct")
     tok = AutoTokenizer.from_pretrained(str(path))
     model = LlamaModel.from_dir(path, dtype=torch.float32)
-    glue_on = cpu_attention.decoder_glue_supports
+    patches = {"as run": (), "packed matmul, no gemv": (mock.patch.object(linear, "GEMV_MAX_ROWS", 0),),
+               "torch ops, no glue": (mock.patch.object(cpu_attention, "decoder_glue_supports", lambda x, k: False),)}
     out = []
     for batch in batches:
         eng = decoding_engine(model, tok, batch, 128, rounds * steps + 8, warm=4)
-        times = {True: [], False: []}
+        times = {name: [] for name in DECODER_PATHS}
         for r in range(rounds):
-            glue = r % 2 == 0
-            with mock.patch.object(cpu_attention, "decoder_glue_supports", glue_on if glue else (lambda x, k: False)):
+            name = DECODER_PATHS[r % len(DECODER_PATHS)]
+            with contextlib.ExitStack() as stack:
+                for p in patches[name]:
+                    stack.enter_context(p)
                 for _ in range(steps):
                     t0 = time.perf_counter()
                     eng.step()
-                    times[glue].append(time.perf_counter() - t0)
+                    times[name].append(time.perf_counter() - t0)
         while eng.scheduler.has_work():
             eng.step()
-        g, t = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
-        out.append({"sequences": batch, "glue_ms_per_step": g, "torch_ops_ms_per_step": t, "speedup": t / g})
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        out.append({"sequences": batch, "ms_per_step": ms,
+                    "gemv_speedup": ms["packed matmul, no gemv"] / ms["as run"],
+                    "glue_speedup": ms["torch ops, no glue"] / ms["as run"]})
     return out
 
 
@@ -159,11 +173,11 @@ def markdown(res: dict) -> str:
     lines += [f"| {r['model']} ({r['tokens']} tokens) | {r['attention']} | {r['float32']:.0f} | {r['int8']:.0f} | "
               f"{r['int8_over_fp32']:.2f}× | {r['float32_sdpa']:.0f} | {r['kernel_over_sdpa_fp32']:.2f}× |"
               for r in res["encoders"]]
-    lines += ["", "| SmolLM2 decode step, fp32, 128-token prompts | C glue kernels ms/step | torch ops ms/step | speedup |",
-              "|---|---|---|---|"]
-    lines += [f"| {r['sequences']} sequences | {r['glue_ms_per_step']:.1f} | {r['torch_ops_ms_per_step']:.1f} | "
-              f"{r['speedup']:.2f}× |" if "not_run" not in r else f"| not run: {r['not_run']} | | | |"
-              for r in res.get("decoder", [])]
+    lines += ["", "| SmolLM2 decode step, fp32, 128-token prompts | as run (glue + gemv) ms/step | packed matmul "
+              "instead of gemv | torch ops instead of glue | gemv speedup | glue speedup |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['sequences']} sequences | " + " | ".join(f"{r['ms_per_step'][n]:.1f}" for n in DECODER_PATHS)
+              + f" | {r['gemv_speedup']:.2f}× | {r['glue_speedup']:.2f}× |" if "not_run" not in r
+              else f"| not run: {r['not_run']} | | | | | |" for r in res.get("decoder", [])]
     return "\n".join(lines)
 
 

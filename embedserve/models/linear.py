@@ -14,7 +14,10 @@ fp32 stays fp32 (oneDNN's default fp32 math is strict): errors against a float64
 
 Packing is used where a probe at first use shows the op runs and agrees with `F.linear` on
 this machine and device (a CPU with oneDNN); elsewhere, or with EMBEDSERVE_PACKED_LINEAR=0,
-it is plain `F.linear`. The packed weight replaces the original (same bytes, no copy kept).
+it is plain `F.linear`. The packed weight replaces the original (same bytes, no copy kept),
+except where `small_rows` keeps it too: the decoder's steps of a few sequences are bound by
+reading the weights once, and `kernels.cpu_attention.gemv` reads the row-major original faster
+than oneDNN reads its packed copy (1.24-1.47x at 1-16 rows, fp32, AVX2); see `small_rows_kernel`.
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_attention
+from kernels.cpu_attention import GEMV_MAX_ROWS
+
 logger = logging.getLogger(__name__)
 
 ENV = "EMBEDSERVE_PACKED_LINEAR"
+GEMV_ENV = "EMBEDSERVE_DECODE_GEMV"
 
 
 @functools.cache
@@ -58,6 +65,16 @@ def packing_available(dtype: torch.dtype, device_type: str = "cpu") -> str | Non
     return None
 
 
+def small_rows_kernel(dtype: torch.dtype, device_type: str = "cpu") -> str | None:
+    """None where `Linear(small_rows=True)` takes `gemv` for a few rows (float32 on a CPU with the
+    C kernels built), else why not; EMBEDSERVE_DECODE_GEMV=0 turns it off."""
+    if os.environ.get(GEMV_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"{GEMV_ENV}=0"
+    if device_type != "cpu" or dtype != torch.float32:
+        return f"the small-batch kernel is a float32 CPU path (here {dtype} on {device_type})"
+    return cpu_attention.available()
+
+
 # activation applied to the output: (oneDNN post-op, its algorithm, the plain-torch function)
 ACTIVATIONS = {
     None: ("none", "", None),
@@ -72,15 +89,20 @@ class Linear:
     (a key of ACTIVATIONS) is fused into the packed matmul as a post-op.
 
     `weight` (N, K) is the original while `pack=False` (the int8 path quantizes from it) and
-    None once packed; `bias` (N,) or None."""
+    None once packed; `bias` (N,) or None. With `small_rows` (no activation) and where
+    `small_rows_kernel` allows, `rows_weight` keeps the row-major original beside the packed copy
+    (the same tensor where the caller holds it anyway, as a tied head's embedding matrix) and
+    inputs of at most `cpu_attention.GEMV_MAX_ROWS` rows go through `gemv`."""
 
-    __slots__ = ("weight", "bias", "packed", "act")
+    __slots__ = ("weight", "bias", "packed", "act", "rows_weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 act: str | None = None):
+                 act: str | None = None, small_rows: bool = False):
         if act not in ACTIVATIONS:
             raise ValueError(f"activation {act!r} is not one of {sorted(k for k in ACTIVATIONS if k)}")
-        self.weight, self.bias, self.packed, self.act = weight, bias, None, act
+        self.weight, self.bias, self.packed, self.act, self.rows_weight = weight, bias, None, act, None
+        if small_rows and act is None and small_rows_kernel(weight.dtype, weight.device.type) is None:
+            self.rows_weight = weight.contiguous()
         if pack and packing_available(weight.dtype, weight.device.type) is None:
             with torch.inference_mode():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
@@ -88,10 +110,17 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         post, algorithm, fn = ACTIVATIONS[self.act]
+        if self.rows_weight is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            return cpu_attention.gemv(x, self.rows_weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post, [], algorithm)
         y = F.linear(x, self.weight, self.bias)
         return y if fn is None else fn(y)
+
+    def extra_bytes(self) -> int:
+        """Bytes held beyond `tensors()`: the row-major copy kept for `gemv` beside the packed one."""
+        return self.rows_weight.numel() * self.rows_weight.element_size() if self.rows_weight is not None \
+            and self.packed is not None else 0
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.weight if self.packed is None else self.packed, self.bias) if t is not None)

@@ -4,13 +4,14 @@ KV cache. One forward takes the step's packed tokens of every scheduled sequence
     input_ids, positions: (T,)   ->  hidden (T, H)  ->  logits of the rows that sample
 
 Weights load from HF safetensors only; linears are packed for oneDNN where that runs
-(`linear`). Attention goes through `attention_dispatch` (the Triton kernels on a GPU, a
+(`linear`), and steps of a few sequences read the row-major weights through `gemv` in fp32. Attention goes through `attention_dispatch` (the Triton kernels on a GPU, a
 vectorized torch path on the CPU).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,13 @@ from safetensors.torch import load_file
 from kernels import cpu_attention
 
 from .attention_dispatch import AttentionMetadata, paged_attention, store_kv
-from .linear import Linear
+from .linear import GEMV_MAX_ROWS, Linear, small_rows_kernel
+
+logger = logging.getLogger(__name__)
+
+# the most bytes of row-major decoder weights kept beside the packed ones for `gemv` (SmolLM2-135M
+# in fp32 keeps 425 MB); a larger decoder takes the packed matmul at every batch size
+GEMV_COPY_LIMIT = 1 << 30
 
 
 @dataclass(slots=True)
@@ -106,8 +113,14 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")                               # (V, H)
         self.tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
+        # Steps of a few sequences take `gemv` on the row-major weights (see linear.py), which keeps
+        # them beside the packed copies: while that extra copy stays under GEMV_COPY_LIMIT bytes.
+        # The tied head's row-major matrix is the embedding table, held anyway.
+        layer_bytes = sum(t.numel() for k, t in weights.items() if k.startswith("model.layers.")
+                          and k.endswith("_proj.weight")) * torch.empty((), dtype=dtype).element_size()
+        small = layer_bytes <= GEMV_COPY_LIMIT
         # the tied head packs its own copy of the embedding matrix (the lookup needs it row-major)
-        self.lm_head = Linear(self.embed if self.tied else w("lm_head.weight"))
+        self.lm_head = Linear(self.embed if self.tied else w("lm_head.weight"), small_rows=self.tied or small)
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_hidden_layers):
@@ -119,12 +132,22 @@ class LlamaModel:
                 "wqkv": Linear(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
                                           w(p + "self_attn.v_proj.weight")]),
                                torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                               if p + "self_attn.q_proj.bias" in weights else None),
-                "wo": Linear(w(p + "self_attn.o_proj.weight")),
-                "wgu": Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                "wd": Linear(w(p + "mlp.down_proj.weight")),
+                               if p + "self_attn.q_proj.bias" in weights else None, small_rows=small),
+                "wo": Linear(w(p + "self_attn.o_proj.weight"), small_rows=small),
+                "wgu": Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]), small_rows=small),
+                "wd": Linear(w(p + "mlp.down_proj.weight"), small_rows=small),
             })
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
+        extra = sum(v.extra_bytes() for layer in self.layers for v in layer.values() if isinstance(v, Linear))
+        if not self.tied:
+            extra += self.lm_head.extra_bytes()
+        why = small_rows_kernel(dtype, self.device.type)
+        if why is None and small:
+            logger.info("decoder: steps of up to %d sequences take the row-major GEMV kernel (%.0f MB of "
+                        "row-major weights kept beside the packed ones)", GEMV_MAX_ROWS, extra / 2**20)
+        else:
+            logger.info("decoder: every step takes the packed matmul: %s", why or (
+                f"the row-major copy would be {layer_bytes / 2**20:.0f} MB, over {GEMV_COPY_LIMIT / 2**20:.0f} MB"))
 
     @classmethod
     def from_dir(cls, path: Path, dtype: torch.dtype = torch.float32, device="cpu") -> "LlamaModel":
