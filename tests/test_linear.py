@@ -44,14 +44,29 @@ def test_pack_false_keeps_the_weight_and_env_switches_packing_off(monkeypatch):
 
 @pytest.mark.parametrize("act,fn", [("gelu", F.gelu), ("gelu_tanh", lambda y: F.gelu(y, approximate="tanh")),
                                     ("relu", F.relu)])
-@pytest.mark.parametrize("pack", [True, False])
-def test_fused_activation_equals_activation_after_the_linear(act, fn, pack):
+@pytest.mark.parametrize("pack,fused", [(True, True), (True, False), (False, False)])
+def test_fused_activation_equals_activation_after_the_linear(monkeypatch, act, fn, pack, fused):
+    """The activation as a oneDNN post-op, in place after the packed matmul (the faster of the two
+    is what `fused_activation_preferred` picks per machine), or after F.linear: the same values."""
+    monkeypatch.setattr(linear_mod, "fused_activation_preferred", lambda a, d: fused)
     g = torch.Generator().manual_seed(7)
     w, b = torch.randn(1536, 384, generator=g) * 0.05, torch.randn(1536, generator=g)
     x = torch.randn(33, 384, generator=g)
     ref = fn(F.linear(x.double(), w.double(), b.double()))
-    out = Linear(w.clone(), b, pack=pack, act=act)(x)
+    lin = Linear(w.clone(), b, pack=pack, act=act)
+    assert lin.fused == (fused and lin.packed is not None)
+    out = lin(x)
     assert float((out.double() - ref).abs().max()) < 1e-4
+
+
+@pytest.mark.skipif(packing_available(torch.float32, "cpu") is not None, reason="no oneDNN packing here")
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu"])
+def test_the_fused_or_in_place_choice_is_timed_once_and_gives_a_boolean(act):
+    linear_mod.fused_activation_preferred.cache_clear()
+    choice = linear_mod.fused_activation_preferred(act, torch.float32)
+    assert isinstance(choice, bool)
+    assert linear_mod.fused_activation_preferred(act, torch.float32) is choice      # cached
+    assert Linear(torch.randn(64, 32), act=act).fused is choice
 
 
 def test_unknown_activation_is_refused():

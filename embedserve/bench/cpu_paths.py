@@ -1,11 +1,13 @@
 """Which CPU path is faster on this machine, measured side by side in one run: the int8 matmuls
 (`torch._int_mm`, fbgemm) against the packed fp32 linear at the encoder's shapes, the encoder's
 varlen C attention kernel against per-sequence SDPA (alone and in the whole encoder, fp32), the
-encoder in process in fp32 and int8, and the decoder's step as it runs against the same step with
-its `gemv` (steps of up to 16 sequences) replaced by the packed matmul and with its C glue kernels
-replaced by the torch ops (fp32, 1 and 16 sequences, alternated blocks of steps in one engine).
-The choices `embedserve.models.int8`, `kernels.cpu_attention.varlen_preferred`,
-`cpu_attention.decoder_glue_supports` and `GEMV_MAX_ROWS` make by CPU rest on these numbers.
+encoder in process in fp32 and int8 and with its GELU the other way (a oneDNN post-op, or in
+place after the matmul: `linear.fused_activation_preferred` times the two at start), and the
+decoder's step as it runs against the same step with its `gemv` (steps of up to 32 sequences)
+replaced by the packed matmul and with its C glue kernels replaced by the torch ops (fp32, 1 and
+16 sequences, alternated blocks of steps in one engine). The choices `embedserve.models.int8`,
+`kernels.cpu_attention.varlen_preferred`, `cpu_attention.decoder_glue_supports`,
+`GEMV_MAX_ROWS` and the GELU's make by CPU rest on these numbers.
 
     python -m embedserve.bench.cpu_paths            # ~10 minutes on 2 AVX2 cores; prints a markdown table
 """
@@ -99,15 +101,30 @@ def encoders() -> list[dict]:
         encs = {"float32": model.encoder, "int8": load_encoder(path, "int8")}
         row = {"model": m, "tokens": tokens,
                "attention": "C kernel" if cpu_attention.varlen_preferred() else "SDPA"}
-        runs = (("float32", "float32", None), ("int8", "int8", None), ("float32_sdpa", "float32", False))
+        ups = [layer["ffn_up"] for layer in model.encoder.layers]
+        row["gelu"] = "fused post-op" if ups[0].fused else "in place after the matmul"
+
+        @contextlib.contextmanager
+        def other_gelu():                             # the GELU choice `fused_activation_preferred` did not make
+            for up in ups:
+                up.fused = not up.fused
+            try:
+                yield
+            finally:
+                for up in ups:
+                    up.fused = not up.fused
+
+        sdpa = lambda: mock.patch.object(cpu_attention, "varlen_preferred", lambda: False)  # noqa: E731
+        runs = (("float32", "float32", contextlib.nullcontext), ("int8", "int8", contextlib.nullcontext),
+                ("float32_sdpa", "float32", sdpa), ("float32_other_gelu", "float32", other_gelu))
         for _ in range(2):                                           # alternated: the machine drifts
-            for key, prec, kernel in runs:
-                with mock.patch.object(cpu_attention, "varlen_preferred",
-                                       cpu_attention.varlen_preferred if kernel is None else (lambda: kernel)):
+            for key, prec, context in runs:
+                with context():
                     ms = _best_ms(lambda: [model._embed_with(encs[prec], b, {"dense"}) for b in batches], reps=3)
                 row[key] = max(row.get(key, 0.0), tokens / ms * 1e3)
         row["int8_over_fp32"] = row["int8"] / row["float32"]
         row["kernel_over_sdpa_fp32"] = row["float32"] / row["float32_sdpa"]
+        row["gelu_choice_over_other"] = row["float32"] / row["float32_other_gelu"]
         out.append(row)
     return out
 
@@ -118,7 +135,7 @@ DECODER_PATHS = ("as run", "packed matmul, no gemv", "torch ops, no glue")
 
 def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
     """ms per decode step of SmolLM2 in fp32 as it runs (the C glue kernels and, for steps of up to
-    16 sequences, `gemv` on the row-major weights), with the packed matmul instead of `gemv`, and with
+    32 sequences, `gemv` on the row-major weights), with the packed matmul instead of `gemv`, and with
     the torch ops instead of the glue: alternated blocks of `steps` steps on one engine (the same
     sequences, the same KV cache)."""
     from transformers import AutoTokenizer
@@ -168,11 +185,12 @@ def markdown(res: dict) -> str:
               "|---|---|---|"]
     lines += [f"| {r['heads']} heads, {r['tokens']} tokens | {r['c_kernel_ms']:.1f} | {r['sdpa_per_sequence_ms']:.1f} |"
               if "not_run" not in r else f"| not run: {r['not_run']} | | |" for r in res["attention"]]
-    lines += ["", "| encoder in process, 4,096-token batches | attention | fp32 tokens/s | int8 tokens/s | int8 / fp32 "
-              "| fp32 with SDPA tokens/s | kernel / SDPA |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} ({r['tokens']} tokens) | {r['attention']} | {r['float32']:.0f} | {r['int8']:.0f} | "
-              f"{r['int8_over_fp32']:.2f}× | {r['float32_sdpa']:.0f} | {r['kernel_over_sdpa_fp32']:.2f}× |"
-              for r in res["encoders"]]
+    lines += ["", "| encoder in process, 4,096-token batches | attention | GELU | fp32 tokens/s | int8 tokens/s | "
+              "int8 / fp32 | fp32 with SDPA tokens/s | kernel / SDPA | fp32 with the other GELU tokens/s | "
+              "GELU choice / other |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} ({r['tokens']} tokens) | {r['attention']} | {r['gelu']} | {r['float32']:.0f} | "
+              f"{r['int8']:.0f} | {r['int8_over_fp32']:.2f}× | {r['float32_sdpa']:.0f} | {r['kernel_over_sdpa_fp32']:.2f}× "
+              f"| {r['float32_other_gelu']:.0f} | {r['gelu_choice_over_other']:.2f}× |" for r in res["encoders"]]
     lines += ["", "| SmolLM2 decode step, fp32, 128-token prompts | as run (glue + gemv) ms/step | packed matmul "
               "instead of gemv | torch ops instead of glue | gemv speedup | glue speedup |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['sequences']} sequences | " + " | ".join(f"{r['ms_per_step'][n]:.1f}" for n in DECODER_PATHS)
