@@ -123,8 +123,9 @@ class ProbeResult:
 # Bumped when the compute paths change speed (v2: oneDNN-packed linears, fused GELU, fp32
 # attention for bf16; v3: the C varlen attention kernel; v4: int8 through fbgemm on AVX2-only CPUs,
 # where v3 measured torch._int_mm's slow fallback; v5: the varlen kernel in the machine's vector
-# width, taken on AVX2-only CPUs too): a probe cached by an older version would pick by stale speeds.
-PROBE_VERSION = 5
+# width, taken on AVX2-only CPUs too; v6: the GELU in place where the post-op is slower): a probe
+# cached by an older version would pick by stale speeds.
+PROBE_VERSION = 6
 
 
 def _cache_path(fingerprint: str, device) -> Path:
