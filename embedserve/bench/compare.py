@@ -226,7 +226,8 @@ def st_offline(path: Path, dtype: str, texts: list[str], runs: int) -> dict:
 def encoder_in_process(path: Path, name: str, dtype: str, texts: list[str], runs: int) -> dict:
     """Encoder alone, in process, same texts and precision: ours (length-sorted batches under a
     4,096-token budget, as the server forms them) vs Hugging Face transformers' AutoModel
-    (length-sorted batches of 32, padded per batch, SDPA). Tokens/s of real tokens."""
+    (length-sorted batches of 32, padded per batch, SDPA), timed alternately. Tokens/s of real
+    tokens, medians."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -256,14 +257,19 @@ def encoder_in_process(path: Path, name: str, dtype: str, texts: list[str], runs
                 hf(**e)
 
     out = {}
-    for label, fn in (("ours", run_ours), ("transformers", run_hf)):
+    sides = (("ours", run_ours), ("transformers", run_hf))
+    for _, fn in sides:
         fn()                                                      # warm-up
-        times = []
-        for _ in range(runs):
+    # alternated, ours then transformers, `runs` + 2 times: the machine's speed drifts by 10-25 %
+    # within minutes, and one side timed in a block of its own would take a slow phase alone
+    times: dict[str, list[float]] = {label: [] for label, _ in sides}
+    for _ in range(runs + 2):
+        for label, fn in sides:
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        out[label] = {"tokens_per_s": tokens / med(times)}
+            times[label].append(time.perf_counter() - t0)
+    for label, _ in sides:
+        out[label] = {"tokens_per_s": tokens / med(times[label])}
     out["precision"] = {"ours": ours_model.precision, "transformers": str(tdtype).removeprefix("torch.")}
     out["ratio"] = out["ours"]["tokens_per_s"] / out["transformers"]["tokens_per_s"]
     log(f"  in process {out['precision']}: ours {out['ours']['tokens_per_s']:.0f} tokens/s, transformers "
@@ -448,11 +454,12 @@ def bench_rag(tok, work: Path, runs: int, dtype: str) -> dict:
 CEILING_ROWS = 4096
 
 
-def matmul_flops(dtype: str, shape: tuple[int, int, int] = (CEILING_ROWS, 384, 1536), reps: int = 5) -> float:
+def matmul_flops(dtype: str, shape: tuple[int, int, int] = (CEILING_ROWS, 384, 1536), reps: int = 20) -> float:
     """The machine's matmul FLOP/s in `dtype` for an (m x k) @ (k x n) product: the faster of
     `a @ b` and a linear packed for oneDNN (what our encoder runs; in fp32 it is ~2x MKL's `a @ b`
     on these CPUs); int8 on the matmul the encoder's int8 takes here (`_int_mm` with VNNI, fbgemm
-    without)."""
+    without). The best of `reps` timed calls after two warm-ups: a ceiling, and on a shared
+    machine interference only slows a call down (5 calls once read 82 GFLOP/s where 129 held)."""
     import torch
 
     from embedserve.models.linear import Linear
@@ -481,6 +488,7 @@ def matmul_flops(dtype: str, shape: tuple[int, int, int] = (CEILING_ROWS, 384, 1
     best = float("inf")
     with torch.inference_mode():
         for fn in fns:
+            fn()
             fn()
             best = min(best, *(_timed(fn) for _ in range(reps)))
     return 2 * m * k * n / best

@@ -17,7 +17,7 @@ this machine and device (a CPU with oneDNN); elsewhere, or with EMBEDSERVE_PACKE
 it is plain `F.linear`. The packed weight replaces the original (same bytes, no copy kept),
 except where `small_rows` keeps it too: the decoder's steps of a few sequences are bound by
 reading the weights once, and `kernels.cpu_attention.gemv` reads the row-major original faster
-than oneDNN reads its packed copy (1.24-1.47x at 1-16 rows, fp32, AVX2); see `small_rows_kernel`.
+than oneDNN reads its packed copy (1.06-1.47x at 1-32 rows, fp32, AVX2); see `small_rows_kernel`.
 """
 
 from __future__ import annotations
@@ -75,14 +75,13 @@ def small_rows_kernel(dtype: torch.dtype, device_type: str = "cpu") -> str | Non
     return cpu_attention.available()
 
 
-# activation applied to the output: (oneDNN post-op, its algorithm, the plain-torch function,
-# the same in place on a fresh output)
+# activation applied to the output: (oneDNN post-op, its algorithm, torch's function in place
+# on the matmul's fresh output)
 ACTIVATIONS = {
-    None: ("none", "", None, None),
-    "gelu": ("gelu", "none", F.gelu, torch.ops.aten.gelu_),                  # erf, as HF's "gelu"
-    "gelu_tanh": ("gelu", "tanh", lambda y: F.gelu(y, approximate="tanh"),
-                  lambda y: torch.ops.aten.gelu_(y, approximate="tanh")),
-    "relu": ("relu", "", F.relu, torch.relu_),
+    None: ("none", "", None),
+    "gelu": ("gelu", "none", torch.ops.aten.gelu_),                             # erf, as HF's "gelu"
+    "gelu_tanh": ("gelu", "tanh", lambda y: torch.ops.aten.gelu_(y, approximate="tanh")),
+    "relu": ("relu", "", torch.relu_),
 }
 
 
@@ -94,7 +93,7 @@ def fused_activation_preferred(act: str, dtype: torch.dtype) -> bool:
     in-place GELU 3.8 ms. Same values either way (tests/test_linear.py)."""
     import statistics
     import time
-    post, algorithm, _, inplace = ACTIVATIONS[act]
+    post, algorithm, inplace = ACTIVATIONS[act]
     try:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(512, 384, generator=g).to(dtype)
@@ -148,15 +147,15 @@ class Linear:
             self.fused = act is not None and fused_activation_preferred(act, weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        post, algorithm, fn, inplace = ACTIVATIONS[self.act]
+        post, algorithm, inplace = ACTIVATIONS[self.act]
         if self.rows_weight is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
             return cpu_attention.gemv(x, self.rows_weight, self.bias)
         if self.packed is not None:
-            if self.fused or fn is None:
+            if self.fused or inplace is None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post, [], algorithm)
             return inplace(torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], ""))
         y = F.linear(x, self.weight, self.bias)
-        return y if fn is None else inplace(y)
+        return y if inplace is None else inplace(y)
 
     def extra_bytes(self) -> int:
         """Bytes held beyond `tensors()`: the row-major copy kept for `gemv` beside the packed one."""

@@ -116,9 +116,10 @@ class LlamaModel:
         # Steps of a few sequences take `gemv` on the row-major weights (see linear.py), which keeps
         # them beside the packed copies: while that extra copy stays under GEMV_COPY_LIMIT bytes.
         # The tied head's row-major matrix is the embedding table, held anyway.
-        layer_bytes = sum(t.numel() for k, t in weights.items() if k.startswith("model.layers.")
-                          and k.endswith("_proj.weight")) * torch.empty((), dtype=dtype).element_size()
-        small = layer_bytes <= GEMV_COPY_LIMIT
+        copy_bytes = sum(t.numel() for k, t in weights.items() if (k.startswith("model.layers.")
+                         and k.endswith("_proj.weight")) or (k == "lm_head.weight" and not self.tied)
+                         ) * torch.empty((), dtype=dtype).element_size()
+        small = copy_bytes <= GEMV_COPY_LIMIT
         # the tied head packs its own copy of the embedding matrix (the lookup needs it row-major)
         self.lm_head = Linear(self.embed if self.tied else w("lm_head.weight"), small_rows=self.tied or small)
         self.norm = w("model.norm.weight")
@@ -147,7 +148,7 @@ class LlamaModel:
                         "row-major weights kept beside the packed ones)", GEMV_MAX_ROWS, extra / 2**20)
         else:
             logger.info("decoder: every step takes the packed matmul: %s", why or (
-                f"the row-major copy would be {layer_bytes / 2**20:.0f} MB, over {GEMV_COPY_LIMIT / 2**20:.0f} MB"))
+                f"the row-major copy would be {copy_bytes / 2**20:.0f} MB, over {GEMV_COPY_LIMIT / 2**20:.0f} MB"))
 
     @classmethod
     def from_dir(cls, path: Path, dtype: torch.dtype = torch.float32, device="cpu") -> "LlamaModel":
