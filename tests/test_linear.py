@@ -92,6 +92,7 @@ def test_small_rows_keeps_the_row_major_weight_for_gemv_where_it_runs(monkeypatc
         x = torch.randn(rows, 64, generator=g)
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
     assert calls == ([1, cpu_attention.GEMV_MAX_ROWS] if why is None else [])
+    assert lin(torch.empty(0, 64)).shape == (0, 96)                  # no rows: the matmul's empty result
     assert Linear(w.bfloat16(), small_rows=True).rows_weight is None
     assert Linear(w, small_rows=True, act="gelu").rows_weight is None
     assert Linear(w).rows_weight is None and Linear(w).extra_bytes() == 0

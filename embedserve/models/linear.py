@@ -148,7 +148,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         post, algorithm, inplace = ACTIVATIONS[self.act]
-        if self.rows_weight is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+        if self.rows_weight is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
             return cpu_attention.gemv(x, self.rows_weight, self.bias)
         if self.packed is not None:
             if self.fused or inplace is None:
