@@ -24,7 +24,7 @@ builds them once); a peer that is not installed is reported as such, never estim
               encoder in process and the matmul rate are measured right after our served runs of
               the same precision (this machine's speed moves by 10-15 % within minutes)
 
-    python -m embedserve.bench.compare            # what `make bench` runs (about 25 minutes on 2 cores)
+    python -m embedserve.bench.compare            # what `make bench` runs (about 55 minutes on 2 AVX2 cores)
 """
 
 from __future__ import annotations
