@@ -346,13 +346,14 @@ def _thread_cpu(pid: int) -> dict[int, float]:
 
 def _metric_sums(base: str) -> dict[str, float]:
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
     keep = ("embedserve_embed_batch_size_inputs_sum", "embedserve_embed_batch_size_inputs_count",
             "embedserve_embed_batch_size_tokens_sum", "embedserve_embed_batch_seconds_sum")
-    out = {}
-    for line in httpx.get(base + "/metrics").text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in keep:
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        for sample in family.samples:
+            if sample.name in keep:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 

@@ -4,8 +4,9 @@ KV cache. One forward takes the step's packed tokens of every scheduled sequence
     input_ids, positions: (T,)   ->  hidden (T, H)  ->  logits of the rows that sample
 
 Weights load from HF safetensors only; linears are packed for oneDNN where that runs
-(`linear`), and steps of a few sequences read the row-major weights through `gemv` in fp32. Attention goes through `attention_dispatch` (the Triton kernels on a GPU, a
-vectorized torch path on the CPU).
+(`linear`), and steps of a few sequences read the row-major weights through `gemv` in fp32.
+Attention goes through `attention_dispatch` (the Triton kernels on a GPU, a vectorized torch
+path on the CPU).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .linear import GEMV_MAX_ROWS, Linear, small_rows_kernel
 logger = logging.getLogger(__name__)
 
 # the most bytes of row-major decoder weights kept beside the packed ones for `gemv` (SmolLM2-135M
-# in fp32 keeps 425 MB); a larger decoder takes the packed matmul at every batch size
+# in fp32 keeps 405 MiB); a larger decoder takes the packed matmul at every batch size
 GEMV_COPY_LIMIT = 1 << 30
 
 
