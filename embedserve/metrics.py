@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _StorageCollector(Collector):
+    """The index volume's state, read at each scrape from where the index library keeps it."""
+
+    def __init__(self, read: Callable[[], tuple[int, bool]]):
+        self.read = read
+
+    def collect(self):
+        refused, full = self.read()
+        yield CounterMetricFamily("embedserve_storage_full", "Index writes and snapshots refused because the "
+                                  "volume holding the indexes was full", value=refused)
+        yield GaugeMetricFamily("embedserve_storage_full_now", "1 while the last write to the index volume "
+                                "found it full (no write has succeeded since)", value=1.0 if full else 0.0)
 
 
 class Metrics:
@@ -55,3 +73,13 @@ class Metrics:
         self.gen_preemptions = Counter("embedserve_gen_preemptions", "Sequences preempted", registry=r)
         self.dropped = Counter("embedserve_embed_dropped_inputs",
                                "Inputs dropped before the model because their client went away", registry=r)
+        self._storage: _StorageCollector | None = None
+
+    def watch_storage(self, read: Callable[[], tuple[int, bool]]) -> None:
+        """Export `read()` = (writes refused for lack of room, full now) as
+        `embedserve_storage_full_total` and `embedserve_storage_full_now`."""
+        if self._storage is None:
+            self._storage = _StorageCollector(read)
+            self.registry.register(self._storage)
+        else:
+            self._storage.read = read

@@ -20,7 +20,7 @@ from . import search as search_mod
 from .dense import DenseIndex
 from .docstore import DB_NAME, Change, DocStore, Document, Sparse, content_hash
 from .durable import clean_temp, file_lock, sha256_file
-from .errors import ConflictError, IndexCorruptError, ValidationError
+from .errors import ConflictError, IndexCorruptError, StorageFullError, ValidationError
 from .manifest import Manifest, ModelIdentity
 from .sparse import SparseIndex
 
@@ -48,6 +48,7 @@ class Index:
         self.verify_checksums = verify_checksums
         self._lock = threading.RLock()
         self._closed = False
+        self._snapshot_after = 0        # after a snapshot found the volume full: the seq to try again at
         with file_lock(self.path / TEMP_LOCK):   # writers of temp files here hold it meanwhile
             clean_temp(self.path)
         self.manifest = Manifest.load(self.path)
@@ -231,9 +232,14 @@ class Index:
 
     # -------------------------------------------------------------- snapshots
     def _maybe_snapshot(self) -> None:
-        if self.applied - self.snapshot_seq >= max(self.snapshot_min_ops, self.dense.live // 10):
+        due = max(self.snapshot_min_ops, self.dense.live // 10)
+        if self.applied - self.snapshot_seq >= due and self.applied >= self._snapshot_after:
             try:
                 self.snapshot()
+            except StorageFullError:
+                # Said once per episode where it arose. Not retried on every write meanwhile:
+                # each try would write a whole snapshot again until the volume refuses it.
+                self._snapshot_after = self.applied + due
             except (OSError, RuntimeError):
                 # The write is committed (and acknowledged); a snapshot only shortens the next replay.
                 logger.exception("index %s/%s: snapshot failed; the next open replays from SQLite",
@@ -241,7 +247,8 @@ class Index:
 
     def snapshot(self) -> bool:
         """Write FAISS + postings under new names, then commit them by replacing the manifest.
-        Returns False when the files on disk already hold every write."""
+        Returns False when the files on disk already hold every write. On failure (a full volume:
+        StorageFullError) the files it wrote are removed and the manifest is the one before."""
         with self._lock, file_lock(self.path / TEMP_LOCK):
             self.catch_up()
             on_disk = Manifest.load(self.path)
@@ -254,22 +261,40 @@ class Index:
                 self.rebuild()
             seq = self.applied
             files = {"dense": f"dense-{seq:012d}.faiss", "sparse": f"sparse-{seq:012d}.npz"}
-            self.dense.save(self.path / files["dense"])
-            self.sparse.save(self.path / files["sparse"])
-            m = on_disk
-            m.files = {part: {"file": f, "sha256": sha256_file(self.path / f),
-                              "bytes": (self.path / f).stat().st_size} for part, f in files.items()}
-            m.applied_seq = seq
-            m.counts = self.counts()
-            m.save(self.path)              # the commit point
+            try:
+                self.dense.save(self.path / files["dense"])
+                self.sparse.save(self.path / files["sparse"])
+                m = on_disk
+                m.files = {part: {"file": f, "sha256": sha256_file(self.path / f),
+                                  "bytes": (self.path / f).stat().st_size} for part, f in files.items()}
+                m.applied_seq = seq
+                m.counts = self.counts()
+                m.save(self.path)              # the commit point
+            except BaseException:
+                self._drop_uncommitted(files.values())
+                raise
             self.manifest = m
             for p in list(self.path.glob("dense-*.faiss")) + list(self.path.glob("sparse-*.npz")):
                 if p.name not in files.values():
                     p.unlink(missing_ok=True)
-            self.docs.prune_dead(seq)
+            try:
+                self.docs.prune_dead(seq)
+            except StorageFullError:
+                pass        # the snapshot is committed; the removals it holds are forgotten next time
             self.snapshot_seq = seq
             logger.debug("index %s/%s: snapshot at seq %d", self.name, self.version, seq)
             return True
+
+    def _drop_uncommitted(self, names) -> None:
+        """Remove snapshot files a failed snapshot wrote, unless the manifest on disk names them
+        (it does when only the fsync after its rename failed)."""
+        try:
+            keep = {info["file"] for info in Manifest.load(self.path).files.values()}
+        except Exception:                       # unreadable: keep everything, replay repairs it
+            return
+        for name in names:
+            if name not in keep:
+                (self.path / name).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ state
     def counts(self) -> dict[str, int]:
@@ -298,6 +323,9 @@ class Index:
             if snapshot and self.applied != self.snapshot_seq:
                 try:
                     self.snapshot()
+                except StorageFullError:
+                    logger.warning("index %s/%s: no room for a snapshot on close; the next open replays the "
+                                   "doc store", self.name, self.version)
                 except (OSError, RuntimeError):
                     logger.exception("index %s/%s: snapshot on close failed (replayed on next open)",
                                      self.name, self.version)

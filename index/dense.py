@@ -125,7 +125,12 @@ class DenseIndex:
     def save(self, path: Path) -> None:
         """Write a snapshot (temp name, fsync, rename). Stale HNSW entries are saved too;
         the loader recomputes them from the doc store."""
-        atomic_write_with(path, lambda tmp: faiss.write_index(self.index, str(tmp)))
+        def write(tmp: Path):
+            # Through a Python file, not faiss's own FILE*: faiss ignores an fclose() error (it
+            # prints it), so a full volume could leave a truncated file that looks written.
+            with open(tmp, "wb") as f:
+                faiss.write_index(self.index, faiss.PyCallbackIOWriter(f.write))
+        atomic_write_with(path, write)
 
     @classmethod
     def load(cls, path: Path, dim: int, config: DenseConfig) -> "DenseIndex":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
+from . import durable
 from .errors import ConflictError, RetiredError, ValidationError
 
 logger = logging.getLogger(__name__)
@@ -99,17 +101,25 @@ class DocStore:
         self.path = path
         # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
         self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30.0)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        # FULL: a commit is on disk before the write is acknowledged (survives power loss, not just kill -9).
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.executescript(_SCHEMA)
-        self._add_wseq()
+        self._page_cap: int | None = None       # the test-only simulated volume's cap (see _transaction)
+        try:
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            # FULL: a commit is on disk before the write is acknowledged (survives power loss, not just kill -9).
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self.conn.executescript(_SCHEMA)
+            self._add_wseq()
+        except BaseException as exc:
+            self.conn.close()
+            if _is_full(exc, path):
+                raise durable.note_full(path, str(exc), "the doc store cannot be opened without room for its "
+                                        "write-ahead log") from exc
+            raise
 
     def _add_wseq(self) -> None:
         """A doc store written before `wseq` existed gets it (= label: the last write to each row
         the store knows of), in one transaction, once."""
         if not any(r[1] == "wseq" for r in self.conn.execute("PRAGMA table_info(docs)")):
-            with _Transaction(self.conn) as cur:
+            with self._transaction() as cur:
                 if not any(r[1] == "wseq" for r in cur.execute("PRAGMA table_info(docs)")):
                     cur.execute("ALTER TABLE docs ADD COLUMN wseq INTEGER")
                     cur.execute("UPDATE docs SET wseq = label")
@@ -186,7 +196,8 @@ class DocStore:
                     change.removed.append(row[0])
                     change.outcomes[doc.id] = "replaced"
                 change.added.append((seq, d, s))
-            cur.execute("UPDATE meta SET value=? WHERE key='seq'", (seq,))
+            if seq != change.base:          # nothing changed: nothing to write (a full volume can still say 200)
+                cur.execute("UPDATE meta SET value=? WHERE key='seq'", (seq,))
             change.seq = seq
         return change
 
@@ -206,7 +217,8 @@ class DocStore:
                 cur.execute("DELETE FROM docs WHERE ext_id=?", (ext_id,))
                 change.removed.append(row[0])
                 change.outcomes[ext_id] = "deleted"
-            cur.execute("UPDATE meta SET value=? WHERE key='seq'", (seq,))
+            if seq != change.base:          # nothing changed: nothing to write (a full volume can still say 200)
+                cur.execute("UPDATE meta SET value=? WHERE key='seq'", (seq,))
             change.seq = seq
         return change
 
@@ -216,8 +228,24 @@ class DocStore:
             cur.execute("DELETE FROM dead WHERE at_seq <= ?", (upto,))
             cur.execute("UPDATE meta SET value=MAX(value, ?) WHERE key='pruned_upto'", (upto,))
 
-    def _transaction(self):
-        return _Transaction(self.conn)
+    def _transaction(self) -> "_Transaction":
+        """A write transaction; out of room is a StorageFullError, after a rollback."""
+        if os.environ.get(durable.QUOTA_ENV):
+            self._simulate_quota()
+        return _Transaction(self.conn, self.path)
+
+    def _simulate_quota(self) -> None:
+        """Test-only (durable.QUOTA_ENV): while the simulated volume is full, cap the page count
+        where it is, so SQLite itself answers SQLITE_FULL to a write that needs a new page."""
+        room = durable.simulated_room(self.path)
+        if room is not None and room <= 0:
+            if self._page_cap is None:
+                self._page_cap = int(self.conn.execute("PRAGMA max_page_count").fetchone()[0])
+                pages = int(self.conn.execute("PRAGMA page_count").fetchone()[0])
+                self.conn.execute(f"PRAGMA max_page_count = {pages}")
+        elif self._page_cap is not None:
+            self.conn.execute(f"PRAGMA max_page_count = {self._page_cap}")
+            self._page_cap = None
 
     def _refuse_if_retired(self) -> None:
         """Inside a write transaction (the version's write lock is held): a version a migration
@@ -229,7 +257,7 @@ class DocStore:
 
     def reading(self):
         """A read transaction: every read inside sees one committed state (WAL snapshot)."""
-        return _Transaction(self.conn, "BEGIN DEFERRED")
+        return _Transaction(self.conn, self.path, "BEGIN DEFERRED")
 
     # ----------------------------------------------------------------- replay
     def dead_since(self, seq: int) -> np.ndarray:
@@ -331,18 +359,69 @@ class DocStore:
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE (take the write lock up front: no upgrade deadlocks) ... COMMIT or ROLLBACK."""
+    """BEGIN IMMEDIATE (take the write lock up front: no upgrade deadlocks) ... COMMIT or ROLLBACK.
 
-    def __init__(self, conn: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE"):
+    A failed statement or COMMIT is rolled back (SQLite may or may not have done so itself after
+    SQLITE_FULL or an I/O error), so the connection takes the next write once there is room;
+    out of room is raised as StorageFullError."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, begin: str = "BEGIN IMMEDIATE"):
         self.conn = conn
+        self.path = path
         self.begin = begin
+        self.changes = 0            # the connection's total_changes at BEGIN
 
     def __enter__(self) -> sqlite3.Cursor:
-        self.conn.execute(self.begin)
+        self.changes = self.conn.total_changes
+        try:
+            self.conn.execute(self.begin)
+        except sqlite3.Error as exc:
+            self._raise_if_full(exc)
+            raise
         return self.conn.cursor()
 
     def __exit__(self, exc_type, exc, tb):
-        self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+        if exc_type is not None:
+            self._rollback()
+            self._raise_if_full(exc)
+            return False
+        try:
+            self.conn.execute("COMMIT")
+        except BaseException as commit_exc:
+            self._rollback()
+            self._raise_if_full(commit_exc)
+            raise
+        if self.conn.total_changes != self.changes:     # it wrote something: the volume had room
+            durable.note_written(self.path)
+        return False
+
+    def _rollback(self) -> None:
+        """Roll back what is still open (after SQLITE_FULL, SQLite may have done it already)."""
+        if self.conn.in_transaction:
+            try:
+                self.conn.execute("ROLLBACK")
+            except sqlite3.Error as exc:
+                logger.warning("doc store %s: rollback failed (%s)", self.path, exc)
+
+    def _raise_if_full(self, exc: BaseException) -> None:
+        if _is_full(exc, self.path):
+            raise durable.note_full(self.path, str(exc)) from exc
+
+
+def _is_full(exc: BaseException, path: Path) -> bool:
+    """SQLITE_FULL ("database or disk is full"), ENOSPC, or an I/O error (a failed fsync, a -shm
+    file that cannot grow) on a volume with (almost) no room left."""
+    if not isinstance(exc, sqlite3.Error):
+        return durable.out_of_space(exc)
+    code = getattr(exc, "sqlite_errorcode", None)       # Python 3.11+
+    if code == sqlite3.SQLITE_FULL or (code is None and "database or disk is full" in str(exc)):
+        return True
+    io_error = code & 0xFF == sqlite3.SQLITE_IOERR if code is not None else "disk I/O error" in str(exc)
+    if not io_error:
+        return False
+    try:
+        return durable.free_bytes(path) < durable.LOW_SPACE_BYTES
+    except OSError:
         return False
 
 

@@ -1,8 +1,11 @@
 """The index library's own errors. Each says what to change; `param` names the offending field
 and `code` is a stable machine-readable reason. A service maps these kinds to its own statuses
-(embedserve's HTTP layer: invalid 400, not found 404, conflict 409, corrupt 500)."""
+(embedserve's HTTP layer: invalid 400, not found 404, conflict 409, corrupt 500, storage full 507)."""
 
 from __future__ import annotations
+
+import errno
+import os
 
 
 class DescribedError(Exception):
@@ -50,3 +53,22 @@ class RetiredError(IndexLibraryError):
 
     code = "version_retired"
     retry_after = 1
+
+
+class StorageFullError(IndexLibraryError, OSError):
+    """A write found no room on the volume holding the index (ENOSPC, EDQUOT, SQLite's "database
+    or disk is full"): nothing of it was applied, and the same write succeeds once there is room.
+    `volume` is the full volume's mount point, `path` the file or directory being written. An
+    OSError too (errno ENOSPC), so code that copes with a failed write keeps coping."""
+
+    code = "storage_full"
+    logged = True           # where it arose, once per episode (index.durable.note_full): not per request
+
+    def __init__(self, message: str, *, volume: str, path: str, **kw):
+        super().__init__(message, **kw)
+        self.errno, self.strerror, self.filename = errno.ENOSPC, os.strerror(errno.ENOSPC), path
+        self.volume = volume
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.message

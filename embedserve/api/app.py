@@ -79,7 +79,7 @@ def _add_error_handlers(app: FastAPI, state: AppState) -> None:
 
     @app.exception_handler(DescribedError)
     async def _typed(request: Request, exc: Exception):
-        if status_for(exc)[0] >= 500:
+        if status_for(exc)[0] >= 500 and not getattr(exc, "logged", False):   # logged: once where it arose
             logger.error("%s on %s: %s", type(exc).__name__, _route(request), exc)
         return reply(exc)
 

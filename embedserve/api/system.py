@@ -1,14 +1,18 @@
-"""Operational routes: /health (alive), /ready (models loaded and warm), /metrics, /v1/models."""
+"""Operational routes: /health (alive), /ready (models loaded and warm, index volume not full),
+/metrics, /v1/models."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Literal
 
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
+
+from index.durable import volume_state
 
 from ..errors import UnavailableError
 from .errors import error_response
@@ -56,6 +60,12 @@ class ModelList(BaseModel):
 def build_router(state: AppState) -> APIRouter:
     """The operational routes, bound to the app's state."""
     router = APIRouter()
+    root = state.indexes.root
+
+    def storage() -> tuple[int, bool]:
+        st = volume_state(root)
+        return st.refused, st.full
+    state.metrics.watch_storage(storage)
 
     @router.get("/health", responses={200: {"model": Health, "description": "Every engine alive"},
                                       503: {"model": ErrorEnvelope, "description": "An engine died or stalled"}})
@@ -74,12 +84,21 @@ def build_router(state: AppState) -> APIRouter:
         state.health_logged = None
         return {"status": "ok"}
 
-    @router.get("/ready", responses={200: {"model": Ready, "description": "Loaded, warm, not draining"},
-                                     503: {"model": ErrorEnvelope, "description": "Loading, draining or failed"}})
+    @router.get("/ready", responses={
+        200: {"model": Ready, "description": "Loaded, warm, not draining, the index volume not full"},
+        503: {"model": ErrorEnvelope, "description": "Loading, draining, failed, or the index volume full"}})
     async def ready():
         if state.draining:
             return error_response(UnavailableError("the server is shutting down (draining)", retry_after=5))
         if state.ready:
+            st = volume_state(root)
+            if st.full:
+                # Writes would get 507 here; searches and embeddings still answer.
+                since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.full_since))
+                return error_response(UnavailableError(
+                    f"index writes are refused (507): the volume mounted at {st.volume} is full ({st.reason}; "
+                    f"since {since}, {st.refused} refused in all); free space there or grow it, and writes "
+                    "succeed again without a restart; searches still answer", retry_after=30, code="storage_full"))
             return {"status": "ready", "model": state.served_name}
         if state.load_error:
             return error_response(UnavailableError(f"model failed to load: {state.load_error}"))
