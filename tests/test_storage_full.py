@@ -314,7 +314,7 @@ def test_a_server_on_a_full_volume_answers_507_and_recovers_without_a_restart(tm
             vol.fill(room=300 << 10)
             acked, statuses = _upsert_until_full(base)
             assert set(statuses) <= {200, 507} and statuses.count(507) >= 2 and acked, statuses
-            print("STATUSES", statuses, len(acked)); said = log.read_text()
+            said = log.read_text()
             assert said.count("is full (") == 1 and "Traceback" not in said, said[-4000:]     # once, no traceback
             ready = httpx.get(base + "/ready")
             assert ready.status_code == 503 and ready.json()["error"]["code"] == "storage_full", ready.text
