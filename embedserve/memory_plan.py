@@ -55,12 +55,13 @@ def available_memory(device: str) -> int:
 def embed_memory_plan(model_dir: Path, config: ServerConfig) -> MemoryPlan:
     """Plan for `model_dir` under `config`; raises ConfigError when it cannot fit."""
     cfg = EncoderConfig.from_dir(model_dir)
-    max_len = config.check_model_limits(cfg.max_input_length)
-    precision = encoder_precision(config.dtype, config.device, fingerprint_dir(model_dir))
+    max_len = config.embed.input_limit(cfg.max_input_length)
+    device = config.compute.device
+    precision = encoder_precision(config.compute.dtype, device, fingerprint_dir(model_dir))
     bpe = 2 if precision.planning_dtype == "bfloat16" else 4
     plan = MemoryPlan(dtype=precision.describe(), weights=model_weight_bytes(model_dir, bpe),
-                      activations=activation_bytes(cfg, config.max_batch_tokens, max_len, bpe),
-                      available=available_memory(config.device))
+                      activations=activation_bytes(cfg, config.embed.max_batch_tokens, max_len, bpe),
+                      available=available_memory(device))
     if plan.headroom < 0:
         raise ConfigError("; ".join(plan.lines()) + " -- does not fit: lower --max-batch-tokens, "
                           "use --dtype bfloat16, or pick a smaller model")
@@ -102,27 +103,29 @@ def decode_memory_plan(model_dir: Path, config: ServerConfig, embed_bytes: int =
     from .models.llama import LlamaConfig
 
     cfg = LlamaConfig.from_dir(model_dir)
-    dtype = decoder_precision(config.dtype, config.device)
+    dc, device = config.decode, config.compute.device
+    dtype = decoder_precision(config.compute.dtype, device)
     bpe = 2 if dtype == "bfloat16" else 4
-    kv_bpe = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}.get(config.kv_cache_dtype, bpe)
-    max_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+    kv_bpe = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}.get(dc.kv_cache_dtype, bpe)
+    max_len = dc.max_model_len or min(cfg.max_position_embeddings, 8192)
     if max_len > cfg.max_position_embeddings:
         raise ConfigError(f"--max-model-len {max_len} exceeds the model's {cfg.max_position_embeddings} positions")
+    dc.check_model_len(max_len)
     weights = model_weight_bytes(model_dir, bpe)
-    T = config.max_num_batched_tokens
-    activations = T * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + config.max_num_seqs * cfg.vocab_size * 4 * 2
-    available = available_memory(config.device)
+    T = dc.max_num_batched_tokens
+    activations = T * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + dc.max_num_seqs * cfg.vocab_size * 4 * 2
+    available = available_memory(device)
     free = available - embed_bytes - weights - activations
-    if config.kv_cache_memory:
-        budget = config.kv_cache_memory
-    elif config.memory_utilization:
-        budget = int(available * config.memory_utilization) - weights - activations
+    if dc.kv_cache_memory:
+        budget = dc.kv_cache_memory
+    elif dc.memory_utilization:
+        budget = int(available * dc.memory_utilization) - weights - activations
     else:
         budget = min(2 << 30, int(0.1 * available))
     per_token = cfg.kv_bytes_per_token(kv_bpe)
-    blocks = budget // (config.block_size * per_token)
+    blocks = max(0, budget) // (dc.block_size * per_token)
     plan = KVCachePlan(dtype=dtype, weights=weights, kv_budget=budget, kv_bytes_per_token=per_token,
-                       block_size=config.block_size, num_blocks=int(blocks), activations=activations,
+                       block_size=dc.block_size, num_blocks=int(blocks), activations=activations,
                        max_model_len=max_len)
     if budget > free:
         raise ConfigError(f"the KV cache budget {budget / (1 << 30):.2f} GiB exceeds free memory "

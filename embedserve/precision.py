@@ -8,7 +8,7 @@ the loaded model agree because they all ask here.
                                         where it was measured faster than float32 (see BENCHMARKS.md)
 
 Fast bf16 means AVX512-BF16 or AMX on a CPU (elsewhere torch emulates bf16, ~4x slower than fp32)
-or a GPU with bf16. `EMBEDSERVE_FAST_BF16=0|1` overrides the detection — a testing aid that makes
+or a GPU with bf16. The `fast_bf16` compute path (`--fast-bf16 0|1`, `EMBEDSERVE_FAST_BF16=0|1`) overrides the detection — a testing aid that makes
 `auto` behave as on the other kind of CPU.
 
 The encoder's probe (accuracy of each candidate against fp32 on fixed multilingual texts, and
@@ -30,13 +30,14 @@ from pathlib import Path
 
 import torch
 
+from kernels import compute
+
 from .config import normalize_dtype
 from .errors import ConfigError
 from .paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-FAST_BF16_ENV = "EMBEDSERVE_FAST_BF16"
 DECODER_DTYPES = ("float32", "bfloat16")
 # Accuracy gates: the minimum cosine of a candidate's dense embeddings to fp32's on the probe
 # texts. bf16 keeps ~3 significant digits, so 0.999 holds for any sane model; int8 must stay
@@ -49,8 +50,8 @@ DECODER_BF16_FASTER_ON_CPU = True
 
 def fast_bf16_available(device: torch.device | str = "cpu") -> bool:
     """True where bf16 matmuls are fast: a CUDA GPU with bf16, or a CPU with AVX512-BF16 / AMX;
-    `EMBEDSERVE_FAST_BF16=0|1` overrides."""
-    forced = os.environ.get(FAST_BF16_ENV, "").strip()
+    the `fast_bf16` compute path (`--fast-bf16 0|1`) overrides."""
+    forced = compute.current().fast_bf16
     if forced in ("0", "1"):
         return forced == "1"
     device = torch.device(device)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -19,8 +20,8 @@ from kernels import check_kv_cache_dtype
 from .api.app import create_app
 from .api.state import AppState
 from .config import ServerConfig
-from .engine.decode_engine import DecodeEngine, DecodeEngineConfig
-from .engine.embed_engine import EmbedEngine, EmbedEngineConfig
+from .engine.decode_engine import DecodeEngine
+from .engine.embed_engine import EmbedEngine
 from .engine.generator import Generator
 from .errors import ConfigError
 from .memory_plan import KVCachePlan, decode_memory_plan
@@ -33,15 +34,11 @@ logger = logging.getLogger(__name__)
 
 def build_embed_engine(cfg: ServerConfig, model: EmbeddingModel, metrics=None) -> EmbedEngine:
     """Check the model against the limits, warm it up, and start its engine thread."""
-    max_input_length = cfg.check_model_limits(model.max_input_length)
+    engine = EmbedEngine(model, cfg.embed, metrics)
     # a short and a long (cut to the limit, as requests are) input: every model, even a tiny one
-    warm = [model.truncate(ids, max_input_length) for ids in model.tokenize(["warm-up", "预热 " * 64])]
+    warm = [model.truncate(ids, engine.max_input_length) for ids in model.tokenize(["warm-up", "预热 " * 64])]
     model.embed(warm, model.spec.embedding_types)
-    engine = EmbedEngine(model, EmbedEngineConfig(
-        max_batch_tokens=cfg.max_batch_tokens, max_batch_size=cfg.max_batch_size,
-        max_queued_tokens=cfg.max_queued_tokens, max_concurrent_requests=cfg.max_concurrent_requests,
-        max_input_length=max_input_length), metrics)
-    engine.stall_after = cfg.stall_timeout
+    engine.stall_after = cfg.http.stall_timeout
     engine.start()
     return engine
 
@@ -58,7 +55,7 @@ def attach_embedders(state: AppState, models: EmbeddingModel | list[EmbeddingMod
 
 
 def attach_generator(state: AppState, gen: Generator) -> None:
-    gen.engine.stall_after = state.config.stall_timeout
+    gen.engine.stall_after = state.config.http.stall_timeout
     gen.start(state.metrics)
     state.generator = gen
 
@@ -95,10 +92,10 @@ def build_app(config: ServerConfig, model: EmbeddingModel | list[EmbeddingModel]
 def plan_generator(cfg: ServerConfig, embed_bytes: int = 0) -> tuple[str, Path, KVCachePlan]:
     """(name, path, plan) for the configured decoder, without loading weights."""
     try:
-        check_kv_cache_dtype(cfg.kv_cache_dtype, torch.device(cfg.device))
+        check_kv_cache_dtype(cfg.decode.kv_cache_dtype, torch.device(cfg.compute.device))
     except ValueError as exc:
         raise ConfigError(f"--kv-cache-dtype: {exc}") from None
-    name, path = resolve_generate_model(cfg.generate_model)
+    name, path = resolve_generate_model(cfg.decode.generate_model)
     return name, path, decode_memory_plan(path, cfg, embed_bytes)
 
 
@@ -107,16 +104,13 @@ def load_generator(cfg: ServerConfig, name: str, path: Path, plan: KVCachePlan) 
     from transformers import AutoTokenizer
 
     dtype = torch.bfloat16 if plan.dtype == "bfloat16" else torch.float32
-    model = LlamaModel.from_dir(path, dtype=dtype, device=cfg.device)
-    kv_dtype = check_kv_cache_dtype(cfg.kv_cache_dtype, torch.device(cfg.device), dtype)
+    model = LlamaModel.from_dir(path, dtype=dtype, device=cfg.compute.device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    engine = DecodeEngine(model, tokenizer, DecodeEngineConfig(
-        num_blocks=plan.num_blocks, block_size=cfg.block_size, max_model_len=plan.max_model_len,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
-        kv_cache_dtype=kv_dtype))
+    # the section with the plan's model length (the model's own where no --max-model-len was given)
+    engine = DecodeEngine(model, tokenizer, replace(cfg.decode, max_model_len=plan.max_model_len),
+                          num_blocks=plan.num_blocks)
     logger.info("generation model %s loaded (%s, %d KV blocks of %d tokens)", name, plan.dtype,
-                plan.num_blocks, cfg.block_size)
+                plan.num_blocks, cfg.decode.block_size)
     return Generator(name=name, engine=engine, tokenizer=tokenizer)
 
 

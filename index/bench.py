@@ -24,7 +24,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from .dense import FAISS_THREADS, DenseIndex
+from .dense import DenseIndex, search_threads
 from .docstore import Document
 from .manifest import DenseConfig, ModelIdentity
 from .search import Query
@@ -77,8 +77,8 @@ def bench_faiss(base: np.ndarray, queries: np.ndarray, truth: np.ndarray, ef_val
         size_mib = len(faiss.serialize_index(dense.index)) / 2**20
         rss_mib = _rss_mib() - rss0
         cores = os.cpu_count() or 1
-        settings = ([(None, FAISS_THREADS)] + ([(None, cores)] if cores > FAISS_THREADS else [])
-                    if kind == "flat" else [(ef, FAISS_THREADS) for ef in ef_values])
+        settings = ([(None, search_threads())] + ([(None, cores)] if cores > search_threads() else [])
+                    if kind == "flat" else [(ef, search_threads()) for ef in ef_values])
         for ef, threads in settings:
             if ef is not None:
                 dense.config.ef_search = ef
@@ -148,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = bench_faiss(base, queries, truth, [int(x) for x in args.ef_search.split(",")],
                        args.hnsw_m, args.ef_construction)
     e2e = None if args.skip_end_to_end else bench_end_to_end(base, queries)
-    result = {"n": args.n, "dim": args.dim, "queries": args.queries, "faiss_threads_search": FAISS_THREADS,
+    result = {"n": args.n, "dim": args.dim, "queries": args.queries, "faiss_threads_search": search_threads(),
               "cpu_count": os.cpu_count(), "machine": platform.machine(), "faiss": faiss.__version__,
               "load_average_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
               "dense": rows, "end_to_end_exact": e2e}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{args.n:,} x {args.dim} random unit vectors, {args.queries} single queries, top 10, "
-          f"FAISS search threads {FAISS_THREADS}, load average {result['load_average_1m']}\n")
+          f"FAISS search threads {search_threads()}, load average {result['load_average_1m']}\n")
     print("| index | p50 ms | p99 ms | recall@10 | build s | index MiB | RSS growth MiB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -8,7 +8,6 @@ entries that every search excludes with an IDSelector, until `rebuild` compacts 
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,8 +21,22 @@ logger = logging.getLogger(__name__)
 
 # One OpenMP thread by default: searches are single queries, and FAISS's OpenMP threads spin
 # against the embed engine's torch threads on the same cores. Measured on the 2-core dev
-# machine under load: a 300-vector search took 8 ms with 2 threads, 47 µs with 1.
-FAISS_THREADS = max(1, int(os.environ.get("EMBEDSERVE_FAISS_THREADS", "1")))
+# machine under load: a 300-vector search took 8 ms with 2 threads, 47 µs with 1. The server
+# sets it from its configuration (--faiss-threads) before any index opens.
+_search_threads = 1
+
+
+def search_threads() -> int:
+    """OpenMP threads each FAISS search of a newly opened index takes."""
+    return _search_threads
+
+
+def set_search_threads(n: int) -> None:
+    """Set the OpenMP threads of searches of indexes opened from now on (at least 1)."""
+    global _search_threads
+    if n < 1:
+        raise ValueError(f"FAISS search threads must be at least 1, not {n}")
+    _search_threads = n
 
 
 @contextmanager
@@ -50,7 +63,7 @@ class DenseIndex:
         self._labels: set[int] = set(self.labels().tolist()) if config.kind == "hnsw" else set()
         self.stale: set[int] = set()
         self._selector_cache: tuple | None = None
-        self.threads = FAISS_THREADS
+        self.threads = _search_threads
 
     def _empty(self) -> faiss.Index:
         c = self.config

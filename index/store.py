@@ -22,7 +22,7 @@ from .errors import ConflictError, NotFoundError, ValidationError
 
 from .core import Index
 from .docstore import DB_NAME, DocStore
-from .durable import TMP_PREFIX, atomic_write, clean_temp, fsync_dir, temp_path
+from .durable import TMP_PREFIX, atomic_write, clean_temp, fsync_dir, note_full, out_of_space, temp_path
 from .manifest import MANIFEST, DenseConfig, Manifest, ModelIdentity
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,8 @@ class IndexStore:
             raise ConflictError(f"index {name!r} already exists; pick another name or delete it first",
                                 param="name", code="index_exists")
         tmp = temp_path(final)
-        tmp.mkdir()
         try:
+            tmp.mkdir()
             self._init_version(tmp / "v1", name, "v1", identity, dense or DenseConfig())
             atomic_write(tmp / CURRENT, b"v1\n")
             fsync_dir(tmp)
@@ -138,6 +138,10 @@ class IndexStore:
                 if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
                     raise ConflictError(f"index {name!r} already exists", param="name", code="index_exists") from None
                 raise
+        except OSError as exc:
+            if out_of_space(exc):          # mkdir or rename with no room: the typed 507, nothing created
+                raise note_full(final, exc.strerror or str(exc), f"index {name!r} was not created") from exc
+            raise
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -154,6 +158,10 @@ class IndexStore:
         try:
             self._init_version(tmp, name, version, identity, dense or DenseConfig(**self.manifest(name).dense_index))
             os.rename(tmp, final)
+        except OSError as exc:
+            if out_of_space(exc):
+                raise note_full(final, exc.strerror or str(exc), f"no version of {name!r} was added") from exc
+            raise
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

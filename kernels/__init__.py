@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from . import compute
+
 logger = logging.getLogger(__name__)
 
-BACKEND_ENV = "EMBEDSERVE_ATTENTION_BACKEND"
 BACKENDS = ("triton", "reference")
 
 
@@ -31,15 +31,15 @@ class AttentionBackend:
 def attention_backend(name: str | None = None) -> AttentionBackend:
     """The Triton kernels when a CUDA GPU is there, the torch reference otherwise.
 
-    `name` ("triton", "reference" or "auto"), else the environment variable
-    EMBEDSERVE_ATTENTION_BACKEND, overrides the choice. "triton" without a GPU runs the kernels
+    `name` ("triton", "reference" or "auto"), else the `attention_backend` compute path
+    (`kernels.compute`: --attention-backend, EMBEDSERVE_ATTENTION_BACKEND), overrides the choice. "triton" without a GPU runs the kernels
     in Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is first
     imported (tests do this); triton is imported only when this backend is chosen."""
-    chosen = (name or os.environ.get(BACKEND_ENV) or "auto").strip().lower()
+    chosen = (name or compute.current().attention_backend).strip().lower()
     if chosen == "auto":
         chosen = "triton" if torch.cuda.is_available() else "reference"
     if chosen not in BACKENDS:
-        source = "argument" if name else f"${BACKEND_ENV}"
+        source = "argument" if name else "--attention-backend"
         raise ValueError(f"unknown attention backend {chosen!r} (from the {source}): "
                          f"choose one of {', '.join(BACKENDS)} or auto")
     return _load(chosen)

@@ -22,7 +22,6 @@ torch path. ctypes releases the GIL for the call.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -34,9 +33,10 @@ from pathlib import Path
 
 import torch
 
+from . import compute
+
 logger = logging.getLogger(__name__)
 
-ENV = "EMBEDSERVE_CPU_ATTENTION"
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 # -ffast-math lets GCC vectorize expf (glibc's libmvec) and the dot products; it is given to the
 # compile step only: at the link step it would add crtfastmath.o, which flushes denormals to
@@ -96,21 +96,29 @@ def _build(cc: str, target: Path) -> str | None:
     return None
 
 
-@functools.cache
+_memo: tuple[object, ctypes.CDLL | None, str | None] = (None, None, None)
+
+
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the loaded library, None) or (None, why not); built or loaded once, and said once in the
-    log, for every caller (decode and encoder attention)."""
-    lib, why = _load()
-    if why is None:
-        logger.info("CPU attention: the C kernels (%s) for decode and encoder attention", SOURCE.name)
-    else:
-        logger.info("CPU attention: the torch paths (SDPA), the C kernels do not run here: %s", why)
-    return lib, why
+    """(the loaded library, None) or (None, why not); built or loaded once per setting of the
+    compute paths (`kernels.compute`), and said once in the log, for every caller (decode and
+    encoder attention)."""
+    global _memo
+    paths = compute.current()
+    if _memo[0] is not paths:
+        lib, why = _load(paths.cpu_attention)
+        if why is None:
+            logger.info("CPU attention: the C kernels (%s) for decode and encoder attention", SOURCE.name)
+        else:
+            logger.info("CPU attention: the torch paths (SDPA), the C kernels do not run here: %s", why)
+        _memo = (paths, lib, why)
+    return _memo[1], _memo[2]
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    if os.environ.get(ENV, "auto").strip().lower() == "torch":
-        return None, f"{ENV}=torch"
+def _load(mode: str = "auto") -> tuple[ctypes.CDLL | None, str | None]:
+    """Build (or find the build of) the library and load it; `mode` is the cpu_attention switch."""
+    if mode == "torch":
+        return None, "cpu_attention=torch"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None, "no C compiler (cc/gcc) on PATH"
@@ -191,14 +199,13 @@ def varlen_supports(qkv: torch.Tensor, num_heads: int) -> bool:
             and hd % 16 == 0 and hd <= 64)
 
 
-@functools.cache
 def varlen_preferred() -> bool:
     """Whether the encoder takes the varlen kernel over SDPA: yes, on both kinds of CPU (in
     vectors of the machine's width it is ahead of per-sequence SDPA on 2-core EPYCs with AVX-512
     and with AVX2 only, `python -m embedserve.bench.cpu_paths`; before it was written that way,
     GCC's lowering of 16-float vectors on AVX2 made it 8x slower there).
-    EMBEDSERVE_CPU_ATTENTION=sdpa keeps SDPA for the encoder (the decode kernel stays)."""
-    return os.environ.get(ENV, "auto").strip().lower() != "sdpa"
+    `cpu_attention=sdpa` keeps SDPA for the encoder (the decode kernel stays)."""
+    return compute.current().cpu_attention in ("auto", "c")
 
 
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:

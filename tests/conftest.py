@@ -82,12 +82,14 @@ def smollm2(smollm2_dir):
 
 def make_decode_engine(smollm2, **kw):
     """A DecodeEngine on the shared SmolLM2 weights (each engine has its own KV pool)."""
-    from embedserve.engine.decode_engine import DecodeEngine, DecodeEngineConfig
+    from embedserve.config import DecodeConfig
+    from embedserve.engine.decode_engine import DecodeEngine
     model, tok = smollm2
-    cfg = dict(num_blocks=512, block_size=16, max_model_len=2048, max_num_batched_tokens=512,
+    cfg = dict(block_size=16, max_model_len=2048, max_num_batched_tokens=512,
                max_num_seqs=64, enable_prefix_caching=True, enable_chunked_prefill=True)
     cfg.update(kw)
-    return DecodeEngine(model, tok, DecodeEngineConfig(**cfg))
+    num_blocks = cfg.pop("num_blocks", 512)
+    return DecodeEngine(model, tok, DecodeConfig(**cfg), num_blocks=num_blocks)
 
 
 def _free_port() -> int:

@@ -19,7 +19,7 @@ NAME = "all-MiniLM-L6-v2"
 
 @pytest.fixture(scope="module")
 def client(minilm_model):
-    app = build_app(ServerConfig(model=NAME, max_client_batch_size=16, max_body_bytes=100_000),
+    app = build_app(ServerConfig.of(model=NAME, max_client_batch_size=16, max_body_bytes=100_000),
                      model=minilm_model)
     with TestClient(app) as c:
         yield c
@@ -162,7 +162,7 @@ def test_models_health_ready_metrics(client):
 
 
 def test_api_key_required_everywhere_but_health_and_ready(minilm_model):
-    app = build_app(ServerConfig(model=NAME, api_key="s3cret"), model=minilm_model)
+    app = build_app(ServerConfig.of(model=NAME, api_key="s3cret"), model=minilm_model)
     with TestClient(app) as c:
         assert c.get("/health").status_code == 200
         assert c.get("/ready").status_code == 200
@@ -181,7 +181,7 @@ def test_ready_is_503_until_model_loaded(minilm_model):
         gate.wait(10)
         return minilm_model
 
-    app = build_app(ServerConfig(model=NAME), loader=loader)
+    app = build_app(ServerConfig.of(model=NAME), loader=loader)
     with TestClient(app) as c:
         assert c.get("/health").status_code == 200
         r = c.get("/ready")
@@ -198,7 +198,7 @@ def test_ready_is_503_until_model_loaded(minilm_model):
 
 
 def test_overload_is_429_with_retry_after(minilm_model, monkeypatch):
-    app = build_app(ServerConfig(model=NAME, max_concurrent_requests=1), model=minilm_model)
+    app = build_app(ServerConfig.of(model=NAME, max_concurrent_requests=1), model=minilm_model)
     real_embed = minilm_model.embed
     started = threading.Event()
 
@@ -220,8 +220,8 @@ def test_overload_is_429_with_retry_after(minilm_model, monkeypatch):
 
 def test_impossible_settings_fail_at_start_up(minilm_model):
     with pytest.raises(ConfigError, match="--max-batch-tokens"):
-        ServerConfig(max_batch_tokens=256).check_model_limits(512)
+        ServerConfig.of(max_batch_tokens=256).embed.input_limit(512)
     with pytest.raises(ConfigError, match="--max-queued-tokens"):
-        ServerConfig(max_batch_tokens=1024, max_queued_tokens=512)
+        ServerConfig.of(max_batch_tokens=1024, max_queued_tokens=512)
     with pytest.raises(ConfigError, match="--max-input-length 600"):
-        ServerConfig(max_input_length=600).check_model_limits(512)
+        ServerConfig.of(max_input_length=600).embed.input_limit(512)

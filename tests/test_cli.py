@@ -57,7 +57,7 @@ def test_plan_names_the_dtype_serve_loads(tmp_path, minilm_dir, monkeypatch):
     from embedserve.models.embedding_model import fingerprint_dir
 
     monkeypatch.setenv("EMBEDSERVE_HOME", str(tmp_path))
-    monkeypatch.setenv(precision.FAST_BF16_ENV, "1")
+    monkeypatch.setenv("EMBEDSERVE_FAST_BF16", "1")              # the servers this starts read it
     env = dict(os.environ)
     args = ("--model", "all-MiniLM-L6-v2", "--generate-model", "none", "--dtype", "auto")
     r = _run("plan", *args, env=env)

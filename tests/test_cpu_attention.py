@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, reference
+from kernels import compute, cpu_attention, reference
 
 WHY = cpu_attention.available()
 
@@ -63,19 +63,16 @@ def test_kernel_reads_a_non_contiguous_query_and_refuses_what_it_cannot_run():
 
 def test_switched_off_or_missing_compiler_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("EMBEDSERVE_HOME", str(tmp_path))
-    cpu_attention._library.cache_clear()
-    try:
-        monkeypatch.setenv(cpu_attention.ENV, "torch")
-        assert cpu_attention.available() == f"{cpu_attention.ENV}=torch"
-        cpu_attention._library.cache_clear()
-        monkeypatch.setenv(cpu_attention.ENV, "auto")
-        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with compute.override(cpu_attention="torch"):
+        assert cpu_attention.available() == "cpu_attention=torch"
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with compute.override(cpu_attention="auto"):                 # a new setting: the library is looked for again
         why = cpu_attention.available()
         assert why is not None and "compiling cpu_paged_attention.c failed" in why
         with pytest.raises(RuntimeError, match="not available"):
             cpu_attention.paged_decode_attention(*_case(0, 4, 2, 64, 16, [5], torch.float32), 0.125)
-    finally:
-        cpu_attention._library.cache_clear()
+    monkeypatch.delenv("CC")
+    assert cpu_attention.available() == WHY                       # the process's own setting, as before
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
@@ -85,8 +82,7 @@ def test_read_only_home_builds_into_a_temp_folder(monkeypatch, tmp_path):
     home.write_text("")                                    # mkdir under it fails
     monkeypatch.setenv("EMBEDSERVE_HOME", str(home))
     monkeypatch.setattr(cpu_attention.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    cpu_attention._library.cache_clear()
-    try:
+    with compute.override():
         assert cpu_attention.available() is None
         built = list((tmp_path / "tmp").glob("embedserve-kernels-*/cpu_paged_attention-*.so"))
         assert len(built) == 1
@@ -94,8 +90,6 @@ def test_read_only_home_builds_into_a_temp_folder(monkeypatch, tmp_path):
         torch.testing.assert_close(cpu_attention.paged_decode_attention(q, kc, vc, tables, ctx, 0.125),
                                    reference.paged_decode_attention(q, kc, vc, tables, ctx, 0.125),
                                    rtol=2e-5, atol=2e-5)
-    finally:
-        cpu_attention._library.cache_clear()
 
 
 def test_a_cache_dir_beside_a_read_only_home_keeps_the_build(monkeypatch, tmp_path):
@@ -106,13 +100,10 @@ def test_a_cache_dir_beside_a_read_only_home_keeps_the_build(monkeypatch, tmp_pa
     monkeypatch.setenv("EMBEDSERVE_HOME", str(home))
     monkeypatch.setenv("EMBEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_attention.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    cpu_attention._library.cache_clear()
-    try:
+    with compute.override():
         assert cpu_attention.available() is None
         assert len(list((tmp_path / "cache" / "kernels").glob("cpu_paged_attention-*.so"))) == 1
         assert not (tmp_path / "tmp").exists()
-    finally:
-        cpu_attention._library.cache_clear()
 
 
 def _varlen_reference(qkv, lens, nh):
@@ -175,19 +166,15 @@ def test_encoder_with_the_kernel_equals_the_padded_sdpa_path(monkeypatch, minilm
 
 def test_the_encoder_takes_the_varlen_kernel_on_both_kinds_of_cpu_unless_told(monkeypatch):
     """Measured (`python -m embedserve.bench.cpu_paths`): in vectors of the machine's width the
-    kernel is ahead of per-sequence SDPA with AVX-512 and with AVX2 only; EMBEDSERVE_CPU_ATTENTION=sdpa
+    kernel is ahead of per-sequence SDPA with AVX-512 and with AVX2 only; `cpu_attention=sdpa`
     keeps SDPA for the encoder (the decode kernel stays), `c` is the default spelled out."""
     for flags in ("flags\t: fma avx avx2", "flags\t: avx2 avx512f avx512_bf16"):
         monkeypatch.setattr(cpu_attention, "_cpu_id", lambda flags=flags: "model name\t: X\n" + flags)
-        monkeypatch.delenv(cpu_attention.ENV, raising=False)
-        cpu_attention.varlen_preferred.cache_clear()
-        assert cpu_attention.varlen_preferred() is True, flags
-    for value, want in (("sdpa", False), ("c", True), ("auto", True)):
-        monkeypatch.setenv(cpu_attention.ENV, value)
-        cpu_attention.varlen_preferred.cache_clear()
-        assert cpu_attention.varlen_preferred() is want, value
-    monkeypatch.undo()
-    cpu_attention.varlen_preferred.cache_clear()
+        with compute.override(cpu_attention="auto"):
+            assert cpu_attention.varlen_preferred() is True, flags
+    for value, want in (("sdpa", False), ("c", True), ("auto", True), ("torch", False)):
+        with compute.override(cpu_attention=value):
+            assert cpu_attention.varlen_preferred() is want, value
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")

@@ -45,6 +45,6 @@ def test_dockerfile_runs_as_non_root_with_models_built_in_and_a_healthcheck():
 
 def test_proxy_matches_the_body_cap_and_does_not_buffer_streams():
     size = re.search(r"client_max_body_size\s+(\d+)m;", NGINX)
-    assert size and int(size.group(1)) * 2**20 == ServerConfig().max_body_bytes
+    assert size and int(size.group(1)) * 2**20 == ServerConfig.of().http.max_body_bytes
     assert re.search(r"proxy_buffering\s+off;", NGINX)
     assert re.search(r"listen\s+443\s+ssl;", NGINX) and "ssl_certificate " in NGINX

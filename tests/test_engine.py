@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embedserve.api.errors import status_for
-from embedserve.engine.embed_engine import EmbedEngine, EmbedEngineConfig
+from embedserve.config import EmbedConfig
+from embedserve.engine.embed_engine import EmbedEngine
 from embedserve.engine.batch_queue import EmbedRequest, RequestStatus, TokenBudgetQueue
 from embedserve.errors import OverloadedError, ValidationError
 
@@ -60,7 +61,9 @@ class Slow:
 
 
 def _engine(model, **kw):
-    eng = EmbedEngine(model, EmbedEngineConfig(**kw))
+    # budgets below the model's 512 tokens: the longest input is what one batch holds
+    kw.setdefault("max_input_length", min(kw["max_batch_tokens"], model.max_input_length))
+    eng = EmbedEngine(model, EmbedConfig(**kw))
     eng.start()
     return eng
 

@@ -27,7 +27,7 @@ def fuzz_server(smollm2, minilm_model, tmp_path_factory):
     """The app on a real uvicorn server in a thread (one lifespan for the whole module)."""
     eng = make_decode_engine(smollm2, num_blocks=64, max_model_len=48, max_num_seqs=8)   # short answers
     gen = Generator(name="SmolLM2-135M-Instruct", engine=eng, tokenizer=smollm2[1])
-    cfg = ServerConfig(model="all-MiniLM-L6-v2", index_dir=str(tmp_path_factory.mktemp("fuzz-indexes")),
+    cfg = ServerConfig.of(model="all-MiniLM-L6-v2", index_dir=str(tmp_path_factory.mktemp("fuzz-indexes")),
                        max_client_batch_size=64)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(cfg, model=minilm_model, generator=gen), host="127.0.0.1",
@@ -50,7 +50,7 @@ def _cases() -> list:
     """(method, path, mode) of every operation, read from the document (an app without models);
     invalid cases wherever there is something to spoil: a body, or an index name in the path
     (documented with its pattern)."""
-    doc = build_app(ServerConfig(generate_model="none")).openapi()
+    doc = build_app(ServerConfig.of(generate_model="none")).openapi()
     out = []
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
@@ -95,7 +95,7 @@ def test_every_success_body_is_documented():
     """Each operation's success response names its body's schema (so the conformance check
     above validates real bodies, not `{}`), and no status the server never sends (FastAPI's 422:
     a request it refuses gets our 400) is documented."""
-    doc = build_app(ServerConfig(generate_model="none")).openapi()
+    doc = build_app(ServerConfig.of(generate_model="none")).openapi()
     schemas = doc["components"]["schemas"]
     for path, ops in doc["paths"].items():
         for method, op in ops.items():

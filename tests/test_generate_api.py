@@ -21,7 +21,7 @@ GEN = "SmolLM2-135M-Instruct"
 def gen_client(smollm2, minilm_model):
     eng = make_decode_engine(smollm2, num_blocks=256, max_model_len=1024)
     gen = Generator(name=GEN, engine=eng, tokenizer=smollm2[1])
-    app = build_app(ServerConfig(model="all-MiniLM-L6-v2"), model=minilm_model, generator=gen)
+    app = build_app(ServerConfig.of(model="all-MiniLM-L6-v2"), model=minilm_model, generator=gen)
     with TestClient(app) as c:
         yield c, eng
 

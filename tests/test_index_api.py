@@ -30,7 +30,7 @@ def root(tmp_path):
 
 @pytest.fixture
 def client(root, minilm_model):
-    with TestClient(build_app(ServerConfig(index_dir=str(root)), model=minilm_model)) as c:
+    with TestClient(build_app(ServerConfig.of(index_dir=str(root)), model=minilm_model)) as c:
         yield c
 
 
@@ -165,10 +165,10 @@ def test_bad_documents_are_400(client, documents):
 
 
 def test_documents_survive_a_restart(root, minilm_model):
-    app = build_app(ServerConfig(index_dir=str(root)), model=minilm_model)
+    app = build_app(ServerConfig.of(index_dir=str(root)), model=minilm_model)
     with TestClient(app) as c:
         _create_and_fill(c)
-    with TestClient(build_app(ServerConfig(index_dir=str(root)), model=minilm_model)) as c:
+    with TestClient(build_app(ServerConfig.of(index_dir=str(root)), model=minilm_model)) as c:
         hits = c.post("/v1/search", json={"index": "kb", "query": "vector similarity search library"}).json()["data"]
         assert hits[0]["id"] == "faiss"
     m = IndexStore(root).manifest("kb")                       # the shutdown snapshot holds every write

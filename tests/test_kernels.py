@@ -36,6 +36,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import JITFunction  # noqa: E402
 
 import kernels  # noqa: E402
+from kernels import compute  # noqa: E402
 from kernels import triton_attention as pa  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.store_kv import store_kv  # noqa: E402
@@ -408,23 +409,24 @@ def test_value_checks_see_in_place_changes(small):
 # ---------------------------------------------------------------------------------- backend switch
 
 def test_backend_switch(monkeypatch):
-    monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
-    assert kernels.attention_backend().name == ("triton" if CUDA else "reference")
+    with compute.override(attention_backend="auto"):
+        assert kernels.attention_backend().name == ("triton" if CUDA else "reference")
     assert kernels.attention_backend("reference").paged_decode_attention is ref.paged_decode_attention
-    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
-    be = kernels.attention_backend()
-    assert be.name == "triton" and be.paged_prefill_attention is pa.paged_prefill_attention
-    assert be.store_kv is store_kv
-    assert kernels.attention_backend("reference").name == "reference"       # the argument wins
-    monkeypatch.setenv(kernels.BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match=r"unknown attention backend 'cuda' \(from the \$EMBEDSERVE"):
-        kernels.attention_backend()
+    with compute.override(attention_backend="triton"):
+        be = kernels.attention_backend()
+        assert be.name == "triton" and be.paged_prefill_attention is pa.paged_prefill_attention
+        assert be.store_kv is store_kv
+        assert kernels.attention_backend("reference").name == "reference"       # the argument wins
+    with pytest.raises(ValueError, match=r"--attention-backend 'cuda': choose auto \| triton \| reference"):
+        compute.ComputePaths(attention_backend="cuda")
+    with pytest.raises(ValueError, match=r"unknown attention backend 'cuda' \(from the argument"):
+        kernels.attention_backend("cuda")
 
 
-def test_backend_triton_runs_through_the_switch(request, monkeypatch):
-    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
+def test_backend_triton_runs_through_the_switch(request):
     args = _decode_case(request, DEVICES[0], torch.float32, (8, 2), 16, [9, 40])
-    out = kernels.attention_backend().paged_decode_attention(*args)
+    with compute.override(attention_backend="triton"):
+        out = kernels.attention_backend().paged_decode_attention(*args)
     _assert_close(out, ref.paged_decode_attention(*args), TOL[torch.float32])
 
 

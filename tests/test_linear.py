@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import compute
 from embedserve.models import linear as linear_mod
 from embedserve.models.linear import Linear, packing_available
 
@@ -27,19 +28,17 @@ def test_packed_linear_equals_f_linear(dtype, tol, rows):
     assert float((out.double() - F.linear(x, w, b).double()).abs().max()) < tol * 2
 
 
-def test_pack_false_keeps_the_weight_and_env_switches_packing_off(monkeypatch):
+def test_pack_false_keeps_the_weight_and_the_switch_turns_packing_off():
     w = torch.randn(8, 16)
     lin = Linear(w, pack=False)
     assert lin.packed is None and lin.weight is w and lin.tensors() == (w,)
     assert "CPU path" in packing_available(torch.float32, "cuda")
-    packing_available.cache_clear()
-    monkeypatch.setenv(linear_mod.ENV, "0")
-    try:
-        assert packing_available(torch.float32, "cpu") == f"{linear_mod.ENV}=0"
+    with compute.override(packed_linear=False):
+        assert packing_available(torch.float32, "cpu") == "packed_linear=false"
         lin = Linear(w)
         assert lin.packed is None and torch.equal(lin(torch.eye(16)), w.T)
-    finally:
-        packing_available.cache_clear()
+    if packing_available(torch.float32, "cpu") is None:          # the switch back: packed again
+        assert Linear(w).packed is not None
 
 
 @pytest.mark.parametrize("act,fn", [("gelu", F.gelu), ("gelu_tanh", lambda y: F.gelu(y, approximate="tanh")),
@@ -62,7 +61,6 @@ def test_fused_activation_equals_activation_after_the_linear(monkeypatch, act, f
 @pytest.mark.skipif(packing_available(torch.float32, "cpu") is not None, reason="no oneDNN packing here")
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu"])
 def test_the_fused_or_in_place_choice_is_timed_once_and_gives_a_boolean(act):
-    linear_mod.fused_activation_preferred.cache_clear()
     choice = linear_mod.fused_activation_preferred(act, torch.float32)
     assert isinstance(choice, bool)
     assert linear_mod.fused_activation_preferred(act, torch.float32) is choice      # cached
@@ -96,6 +94,6 @@ def test_small_rows_keeps_the_row_major_weight_for_gemv_where_it_runs(monkeypatc
     assert Linear(w.bfloat16(), small_rows=True).rows_weight is None
     assert Linear(w, small_rows=True, act="gelu").rows_weight is None
     assert Linear(w).rows_weight is None and Linear(w).extra_bytes() == 0
-    monkeypatch.setenv(linear_mod.GEMV_ENV, "0")
-    assert linear_mod.small_rows_kernel(torch.float32) == f"{linear_mod.GEMV_ENV}=0"
-    assert Linear(w, small_rows=True).rows_weight is None
+    with compute.override(decode_gemv=False):
+        assert linear_mod.small_rows_kernel(torch.float32) == "decode_gemv=false"
+        assert Linear(w, small_rows=True).rows_weight is None

@@ -46,7 +46,7 @@ class _Stalling:
 
 def test_a_stalled_or_dead_engine_turns_health_to_503_with_the_cause(minilm_model, caplog):
     model = _Stalling(minilm_model)
-    app = build_app(ServerConfig(model="all-MiniLM-L6-v2", generate_model="none", stall_timeout=0.5), model=model)
+    app = build_app(ServerConfig.of(model="all-MiniLM-L6-v2", generate_model="none", stall_timeout=0.5), model=model)
     with TestClient(app) as c:
         assert c.get("/health").status_code == 200
         model.stall = True
@@ -86,7 +86,7 @@ def test_a_stalled_or_dead_generation_engine_turns_health_to_503_with_the_cause(
 
     eng = make_decode_engine(smollm2, num_blocks=64, max_model_len=256, max_num_seqs=4)
     gen = Generator(name="SmolLM2-135M-Instruct", engine=eng, tokenizer=smollm2[1])
-    app = build_app(ServerConfig(model="all-MiniLM-L6-v2", stall_timeout=0.5), model=minilm_model, generator=gen)
+    app = build_app(ServerConfig.of(model="all-MiniLM-L6-v2", stall_timeout=0.5), model=minilm_model, generator=gen)
     ask = {"prompt": "The capital of France is", "max_tokens": 4, "ignore_eos": True}
     with TestClient(app) as c:
         assert c.get("/health").status_code == 200

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import compute
 from embedserve import precision
 from embedserve.config import ServerConfig
 from embedserve.errors import ConfigError
@@ -115,20 +116,20 @@ def test_fbgemm_int8_equals_the_integer_math_where_int16_would_saturate():
 
 def test_int8_kernel_follows_the_cpu(monkeypatch):
     from embedserve.models import int8
+    detect = int8._detected_int8_kernel.__wrapped__        # the detection itself, past its per-process cache
+    monkeypatch.setattr(int8, "_detected_int8_kernel", lambda: detect())
     for flags, want in (({"avx2", "avx512_vnni"}, "int_mm"), ({"avx2", "avx_vnni"}, "int_mm"), ({"avx2"}, "fbgemm")):
         monkeypatch.setattr(int8, "cpu_flags", lambda flags=flags: frozenset(flags))
-        monkeypatch.delenv(int8.KERNEL_ENV, raising=False)
-        int8.int8_kernel.cache_clear()
-        assert int8.int8_kernel() == want, flags
-    monkeypatch.setenv(int8.KERNEL_ENV, "int_mm")
-    int8.int8_kernel.cache_clear()
-    assert int8.int8_kernel() == "int_mm"
-    monkeypatch.setenv(int8.KERNEL_ENV, "mkl")
-    int8.int8_kernel.cache_clear()
-    with pytest.raises(ValueError, match="int_mm or fbgemm"):
-        int8.int8_kernel()
-    monkeypatch.delenv(int8.KERNEL_ENV)
-    int8.int8_kernel.cache_clear()
+        with compute.override(int8_kernel="auto"):
+            assert int8.int8_kernel() == want, flags
+    for forced in ("int_mm", "fbgemm"):
+        with compute.override(int8_kernel=forced):
+            assert int8.int8_kernel() == forced
+    with pytest.raises(ValueError, match="--int8-kernel 'mkl': choose auto | int_mm | fbgemm"):
+        compute.ComputePaths(int8_kernel="mkl")
+    monkeypatch.setenv("EMBEDSERVE_INT8_KERNEL", "mkl")
+    with pytest.raises(ValueError, match="from the environment"):
+        compute.ComputePaths.from_env()
 
 
 def _probe(bf16=0.9999, int8=0.996, speeds=None):
@@ -146,7 +147,7 @@ def test_fastest_passing_prefers_accuracy_unless_clearly_faster():
 
 @pytest.mark.parametrize("fast", ["0", "1"])
 def test_auto_probes_once_and_plan_names_what_serve_loads(fast, home, minilm_dir, monkeypatch):
-    monkeypatch.setenv(precision.FAST_BF16_ENV, fast)
+    monkeypatch.setattr(compute, "_current", compute.ComputePaths(fast_bf16=fast))
     calls = []
 
     def probe(self, candidates, texts=None, keep=None):
@@ -155,7 +156,7 @@ def test_auto_probes_once_and_plan_names_what_serve_loads(fast, home, minilm_dir
                       speeds={"float32": 1000, "bfloat16": 3000 if fast == "1" else 250, "int8": 2800})
 
     monkeypatch.setattr(em.EmbeddingModel, "probe_precisions", probe)
-    cfg = ServerConfig(model=str(minilm_dir), dtype="auto", generate_model="none")
+    cfg = ServerConfig.of(model=str(minilm_dir), dtype="auto", generate_model="none")
     before = embed_memory_plan(minilm_dir, cfg)
     assert "accuracy probe" in before.dtype                        # not measured on this machine yet
     model = em.EmbeddingModel(minilm_dir, dtype="auto")
@@ -170,7 +171,7 @@ def test_auto_probes_once_and_plan_names_what_serve_loads(fast, home, minilm_dir
 def test_the_probe_is_cached_in_the_cache_dir_when_one_is_set(home, minilm_dir, monkeypatch, tmp_path):
     """A read-only home (the image) with EMBEDSERVE_CACHE_DIR on a volume: the probe's outcome
     is kept there, and the next start on this machine does not probe again."""
-    monkeypatch.setenv(precision.FAST_BF16_ENV, "0")
+    monkeypatch.setattr(compute, "_current", compute.ComputePaths(fast_bf16="0"))
     monkeypatch.setenv("EMBEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
 
@@ -186,7 +187,7 @@ def test_the_probe_is_cached_in_the_cache_dir_when_one_is_set(home, minilm_dir, 
 
 
 def test_auto_keeps_fp32_when_nothing_passes(home, minilm_dir, monkeypatch):
-    monkeypatch.setenv(precision.FAST_BF16_ENV, "1")
+    monkeypatch.setattr(compute, "_current", compute.ComputePaths(fast_bf16="1"))
     monkeypatch.setattr(em.EmbeddingModel, "probe_precisions", lambda self, c, texts=None, keep=None: _probe(bf16=0.99, int8=0.9))
     model = em.EmbeddingModel(minilm_dir, dtype="auto")
     assert model.spec.dtype == "float32"
@@ -208,11 +209,11 @@ def test_the_real_probe_measures_every_candidate(home, minilm_model):
 
 
 def test_fast_bf16_switch_and_decoder_policy(monkeypatch):
-    monkeypatch.setenv(precision.FAST_BF16_ENV, "0")
+    monkeypatch.setattr(compute, "_current", compute.ComputePaths(fast_bf16="0"))
     assert not precision.fast_bf16_available("cpu")
     assert precision.decoder_precision("auto", "cpu") == "float32"
     assert precision.encoder_precision("auto", "cpu", None).candidates == ("int8",)
-    monkeypatch.setenv(precision.FAST_BF16_ENV, "1")
+    monkeypatch.setattr(compute, "_current", compute.ComputePaths(fast_bf16="1"))
     assert precision.fast_bf16_available("cpu")
     assert precision.decoder_precision("auto", "cpu") == ("bfloat16" if precision.DECODER_BF16_FASTER_ON_CPU
                                                           else "float32")

@@ -99,10 +99,10 @@ def test_key_file_format_and_refusals_never_show_a_key(tmp_path):
     assert KEY_A not in str(exc.value) and KEY_B not in str(exc.value)
     for bad in (f"{KEY_B}\tx", f"{KEY_B}-ключ"):
         with pytest.raises(ConfigError, match="value 2") as exc:
-            ServerConfig(model=EMBED, api_key=f"{KEY_A},{bad}")
+            ServerConfig.of(model=EMBED, api_key=f"{KEY_A},{bad}")
         assert KEY_B not in str(exc.value)
     with pytest.raises(ConfigError, match="cannot be read"):
-        KeyRing(ServerConfig(model=EMBED, api_key_file=str(tmp_path / "missing")))
+        KeyRing(ServerConfig.of(model=EMBED, api_key_file=str(tmp_path / "missing")))
 
 
 def test_serve_refuses_to_start_on_a_key_file_it_cannot_use(tmp_path):
@@ -116,16 +116,16 @@ def test_serve_refuses_to_start_on_a_key_file_it_cannot_use(tmp_path):
 
 
 def test_config_repr_hides_keys_and_rate_flags_are_checked():
-    cfg = ServerConfig(model=EMBED, api_key=f"{KEY_A},{KEY_B}", rate_limit=2.5)
-    assert cfg.api_keys == [KEY_A, KEY_B]
+    cfg = ServerConfig.of(model=EMBED, api_key=f"{KEY_A},{KEY_B}", rate_limit=2.5)
+    assert cfg.http.api_keys == [KEY_A, KEY_B]
     assert KEY_A not in repr(cfg) and KEY_B not in repr(cfg) and "api_key_file" in repr(cfg)
-    assert cfg.rate_burst == 3                    # default burst: the rate, rounded up
-    assert ServerConfig(model=EMBED, api_key=" , ").api_key is None
+    assert cfg.http.rate_burst == 3                    # default burst: the rate, rounded up
+    assert ServerConfig.of(model=EMBED, api_key=" , ").http.api_key is None
     with pytest.raises(ConfigError, match="--rate-burst needs --rate-limit"):
-        ServerConfig(model=EMBED, rate_burst=4)
+        ServerConfig.of(model=EMBED, rate_burst=4)
     for bad in ({"rate_limit": 0.0}, {"rate_limit": 1.0, "rate_burst": 0}):
         with pytest.raises(ConfigError, match="--rate-"):
-            ServerConfig(model=EMBED, **bad)
+            ServerConfig.of(model=EMBED, **bad)
 
 
 def test_repeated_flags_add_keys_and_origins(monkeypatch):
@@ -138,13 +138,13 @@ def test_repeated_flags_add_keys_and_origins(monkeypatch):
                                       "--allowed-origins", ORIGIN, "--allowed-origins", "http://localhost:3000",
                                       "--rate-limit", "0.5", "--rate-burst", "4"])
     cfg = config_from_args(args)
-    assert cfg.api_keys == [KEY_A, KEY_B] and cfg.origins == [ORIGIN, "http://localhost:3000"]
-    assert (cfg.rate_limit, cfg.rate_burst) == (0.5, 4)
+    assert cfg.http.api_keys == [KEY_A, KEY_B] and cfg.http.origins == [ORIGIN, "http://localhost:3000"]
+    assert (cfg.http.rate_limit, cfg.http.rate_burst) == (0.5, 4)
     cfg = config_from_args(build_parser().parse_args(["serve", "--model", EMBED]))
-    assert cfg.api_keys == [] and cfg.origins == [] and cfg.rate_limit is None
+    assert cfg.http.api_keys == [] and cfg.http.origins == [] and cfg.http.rate_limit is None
     monkeypatch.setenv("EMBEDSERVE_API_KEY", f"{KEY_A},{KEY_B}")
     parser = build_parser()
-    assert config_from_args(parser.parse_args(["serve"])).api_keys == [KEY_A, KEY_B]
+    assert config_from_args(parser.parse_args(["serve"])).http.api_keys == [KEY_A, KEY_B]
     serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
     help_text = serve.format_help()
     assert "--api-key-file" in help_text and KEY_A not in help_text      # --help never shows a key
@@ -158,7 +158,7 @@ def test_every_key_is_compared_whichever_matches(tmp_path, monkeypatch):
 
     f = tmp_path / "keys"
     f.write_text(KEY_FILE_OLD + "\n")
-    ring = KeyRing(ServerConfig(model=EMBED, api_key=f"{KEY_A},{KEY_B}", api_key_file=str(f)))
+    ring = KeyRing(ServerConfig.of(model=EMBED, api_key=f"{KEY_A},{KEY_B}", api_key_file=str(f)))
     calls, real = [], hmac.compare_digest
 
     def counting(a, b):
@@ -176,7 +176,7 @@ def test_every_key_is_compared_whichever_matches(tmp_path, monkeypatch):
 def test_key_file_is_reread_at_most_once_a_second_and_a_broken_file_keeps_the_keys(tmp_path):
     clock, f = Clock(), tmp_path / "keys"
     f.write_text(KEY_FILE_OLD + "\n")
-    ring = KeyRing(ServerConfig(model=EMBED, api_key_file=str(f)), clock=clock)
+    ring = KeyRing(ServerConfig.of(model=EMBED, api_key_file=str(f)), clock=clock)
     assert ring.enabled and ring.match(KEY_FILE_OLD) and not ring.match(KEY_FILE_NEW)
     f.write_text(KEY_FILE_NEW + "\n")
     clock.now += 0.5
@@ -203,7 +203,7 @@ def test_rate_limit_by_client_address_without_keys(tmp_path):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    state = AppState(config=ServerConfig(model=EMBED, rate_limit=0.5, rate_burst=2, index_dir=str(tmp_path)))
+    state = AppState(config=ServerConfig.of(model=EMBED, rate_limit=0.5, rate_burst=2, index_dir=str(tmp_path)))
     guard = GuardMiddleware(ok, state)
 
     async def run():
@@ -471,6 +471,40 @@ _EXPECTED = {"embed": 200, "embed bad type": 400, "embed bad field": 400, "embed
              "search bad": 400, "unknown route": 404}
 
 
+def test_metrics_series_stay_bounded_by_the_routes_whatever_the_paths(plain):
+    """1,000 requests to distinct index names, document ids and made-up paths, with and without a
+    key: `embedserve_requests_total` gains at most one series per (route template or `unmatched`,
+    status), and no label holds a path a caller chose."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base, _, _ = plain
+    paths = [p for i in range(250) for p in (f"/v1/indexes/ix-{i}/documents", f"/v1/indexes/ix-{i}",
+                                              f"/v1/made-up-{i}", f"/not-a-route-{i}/x")]
+
+    def send(i_path):
+        i, path = i_path
+        headers = _bearer(KEY_A) if i % 2 else {}
+        with httpx.Client(base_url=base, timeout=60) as c:
+            return c.get(path, headers=headers).status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(send, enumerate(paths)))
+    assert len(statuses) == 1000 and 500 not in statuses and {401, 404} <= set(statuses), set(statuses)
+    with httpx.Client(base_url=base, timeout=30) as c:
+        # every route the API documents, plus FastAPI's own pages
+        app_routes = set(c.get("/openapi.json", headers=_bearer(KEY_A)).json()["paths"]) | {
+            "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"}
+        text = c.get("/metrics", headers=_bearer(KEY_A)).text
+    series = [s for fam in text_string_to_metric_families(text) if fam.name == "embedserve_requests"
+              for s in fam.samples if s.name == "embedserve_requests_total"]
+    routes = {s.labels["route"] for s in series}
+    codes = {s.labels["status"] for s in series}
+    assert len(series) <= (len(app_routes) + 1) * len(codes), (len(series), sorted(routes))
+    assert routes <= app_routes | {"unmatched"}, sorted(routes - app_routes)
+    assert {"/v1/indexes/{name}/documents", "/v1/indexes/{name}", "unmatched"} <= routes, sorted(routes)
+    assert not [r for r in routes if "ix-" in r or "made-up" in r or "not-a-route" in r]
+
+
 def test_canary_in_every_kind_of_request_never_reaches_the_log(plain):
     """100 rounds of every kind of request with a canary in its text: the answers are what each
     kind gets, and the canary is nowhere in the server's stdout/stderr at the default log level.
@@ -499,8 +533,14 @@ def test_canary_in_every_kind_of_request_never_reaches_the_log(plain):
         hits = c.post("/v1/search", json={"index": "privacy", "query": CANARY, "top_k": 3},
                       headers=_bearer(KEY_A)).json()["data"]
         assert len(hits) == 3 and CANARY in hits[0]["text"]           # the text went in, and comes back
+    with httpx.Client(base_url=base, timeout=30) as c:
+        metrics = c.get("/metrics", headers=_bearer(KEY_A)).text
+    assert "embedserve_requests_total" in metrics
+    for needle in (CANARY, CANARY.lower(), "7f3a9c"):
+        assert needle not in metrics, [line for line in metrics.splitlines() if needle in line][:5]
     _stop(proc)                                                       # shutdown logs count too
     text = log.read_text()
     assert "Application startup complete" in text and "generation model" in text, text[-2000:]
     for needle in (CANARY, CANARY.lower(), "7f3a9c", KEY_A):
         assert needle not in text, [line for line in text.splitlines() if needle in line][:5]
+

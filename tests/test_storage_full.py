@@ -412,3 +412,33 @@ def _metric(text: str, name: str) -> float:
             if sample.name == name:
                 return sample.value
     raise AssertionError(f"{name} is not in /metrics")
+
+
+@pytest.mark.parametrize("step", ["mkdir", "rename"])
+def test_creating_an_index_or_version_without_room_is_507_and_leaves_nothing(tmp_path, monkeypatch, step):
+    """ENOSPC while an index (or a new version) is being laid out: StorageFullError naming what
+    was not created, no index and no temp directory left; with room again the same call works."""
+    store = IndexStore(tmp_path / "ix")
+    real = {"mkdir": Path.mkdir, "rename": os.rename}
+
+    def enospc(*a, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if step == "mkdir":
+        monkeypatch.setattr(Path, "mkdir", lambda self, *a, **kw: enospc() if TMP_PREFIX in self.name
+                            else real["mkdir"](self, *a, **kw))
+    else:
+        monkeypatch.setattr(os, "rename", enospc)
+    with pytest.raises(StorageFullError, match="index 'docs' was not created"):
+        store.create("docs", IDENT)
+    assert store.names() == [] and not [p for p in (tmp_path / "ix").iterdir() if TMP_PREFIX in p.name]
+    monkeypatch.undo()
+    store.create("docs", IDENT).close()
+    if step == "rename":
+        monkeypatch.setattr(os, "rename", enospc)
+        with pytest.raises(StorageFullError, match="no version of 'docs' was added"):
+            store.add_version("docs", IDENT)
+        monkeypatch.undo()
+        assert store.versions("docs") == ["v1"]
+        assert not [p for p in (tmp_path / "ix" / "docs").iterdir() if TMP_PREFIX in p.name]
+        assert store.add_version("docs", IDENT) == "v2"           # room again
+    assert store.names() == ["docs"] and not volume_state(tmp_path).full

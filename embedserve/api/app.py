@@ -48,8 +48,8 @@ def create_app(state: AppState, start: Callable[[AppState], None] | None = None)
     app = FastAPI(title="embedserve", version=__version__, lifespan=lifespan)
     app.state.embedserve = state
     app.add_middleware(GuardMiddleware, state=state)
-    if state.config.origins:        # outside the key check: a browser's preflight carries no key
-        app.add_middleware(CORSMiddleware, allow_origins=state.config.origins, allow_methods=["*"],
+    if state.config.http.origins:        # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=state.config.http.origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"])
     app.add_middleware(DrainMiddleware, state=state)       # added last: outermost
     _add_error_handlers(app, state)

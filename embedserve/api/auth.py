@@ -47,9 +47,9 @@ class KeyRing:
     identity for rate limiting), or None."""
 
     def __init__(self, config: ServerConfig, clock=time.monotonic):
-        self.path = config.api_key_file
+        self.path = config.http.api_key_file
         self.clock = clock
-        self._static = [_digest(k) for k in config.api_keys]
+        self._static = [_digest(k) for k in config.http.api_keys]
         self._from_file: list[bytes] = []
         self._stamp = None
         self._bad_stamp = False                     # the file's stamp when it last failed to read

@@ -169,7 +169,7 @@ def _check_types(name: str, engine, body: EmbeddingRequest) -> set[str]:
 
 async def _token_inputs(state: AppState, engine, body: EmbeddingRequest) -> list[list[int]]:
     """Token ids of every input (tokenized off the event loop), with the model's specials."""
-    texts, id_lists = parse_inputs(body.input, state.config.max_client_batch_size)
+    texts, id_lists = parse_inputs(body.input, state.config.http.max_client_batch_size)
     if texts is not None:
         return await run_in_threadpool(engine.tokenize, texts, body.input_type)
     if engine.has_prefix(body.input_type):

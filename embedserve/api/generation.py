@@ -409,7 +409,7 @@ def build_router(state: AppState) -> APIRouter:
 
     def generator_for(body: _Common) -> Generator:
         gen = state.generator
-        if state.config.generate_model == "none":
+        if not state.config.decode.enabled:
             raise NotFoundError("generation is off on this server (--generate-model none)", param="model")
         if gen is None:
             raise UnavailableError("the generation model is loading; retry shortly", retry_after=5)

@@ -227,7 +227,7 @@ async def _embed_documents(state: AppState, request: Request, texts: list[str], 
     documents hold more tokens than the queue may; None if the client went away."""
     emb = _embedder(engine)
     ids, cut = await run_in_threadpool(emb.passage_inputs, texts)
-    budget = max(state.config.max_batch_tokens, state.config.max_queued_tokens // 4)
+    budget = max(state.config.embed.max_batch_tokens, state.config.embed.max_queued_tokens // 4)
     outputs: list = []
     for batch in token_batches([len(x) for x in ids], budget):
         req = await embed_via_engine(state, [ids[i] for i in batch], document_types(emb.identity), request, engine)
@@ -257,7 +257,7 @@ def build_router(state: AppState) -> APIRouter:
 
     router = APIRouter()
 
-    @router.post("/v1/indexes", status_code=201, **route_doc(CreateIndexRequest, 404, 409, ok=IndexObject, status=201))
+    @router.post("/v1/indexes", status_code=201, **route_doc(CreateIndexRequest, 404, 409, 507, ok=IndexObject, status=201))
     async def create_index(request: Request):
         body = await parse_body(request, CreateIndexRequest)
         name = check_name(body.name)
@@ -303,16 +303,16 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
     """Upsert and delete documents, and search: the routes that embed through the engine."""
     indexes = state.indexes
 
-    @router.post("/v1/indexes/{name}/documents", **route_doc(UpsertRequest, 404, 409, ok=UpsertResponse))
+    @router.post("/v1/indexes/{name}/documents", **route_doc(UpsertRequest, 404, 409, 507, ok=UpsertResponse))
     async def upsert_documents(request: Request, name: str = _NAME_IN_PATH):
         check_name(name)
         body = await parse_body(request, UpsertRequest)
         state.require_embedder()
         docs = [Document(d.id, d.text, d.metadata) for d in body.documents]
         validate_documents(docs)
-        if len(docs) > state.config.max_client_batch_size:
+        if len(docs) > state.config.http.max_client_batch_size:
             raise ValidationError(f"{len(docs)} documents; the limit (--max-client-batch-size) is "
-                                  f"{state.config.max_client_batch_size}; split the upsert", param="documents")
+                                  f"{state.config.http.max_client_batch_size}; split the upsert", param="documents")
         ix = await run_in_threadpool(indexes.get, name, None)
         engine = state.engine_for_index(ix.manifest)
         ident = state.identity(engine)
@@ -325,7 +325,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         result = await run_in_threadpool(ops.commit_upsert, ix, docs, todo, vectors, ident)
         return {"object": "index.upsert", **result.to_dict()}
 
-    @router.delete("/v1/indexes/{name}/documents", **route_doc(DeleteDocumentsRequest, 404, 409, ok=DeleteDocumentsResponse))
+    @router.delete("/v1/indexes/{name}/documents", **route_doc(DeleteDocumentsRequest, 404, 409, 507, ok=DeleteDocumentsResponse))
     async def delete_documents(request: Request, name: str = _NAME_IN_PATH):
         check_name(name)
         body = await parse_body(request, DeleteDocumentsRequest)

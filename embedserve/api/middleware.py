@@ -22,7 +22,7 @@ class GuardMiddleware:
     def __init__(self, app, state: AppState):
         self.app = app
         self.state = state
-        cfg = state.config
+        cfg = state.config.http
         self.limiter = RateLimiter(cfg.rate_limit, cfg.rate_burst) if cfg.rate_limit else None
 
     async def __call__(self, scope, receive, send):
@@ -53,9 +53,9 @@ class GuardMiddleware:
                 if self.limiter is not None and (wait := self.limiter.check(caller)):
                     who = "API key" if state.keys.enabled else "client address"
                     return await reply(RateLimitedError(
-                        f"this {who} sent more than --rate-limit {state.config.rate_limit:g} requests per "
-                        f"second (burst {state.config.rate_burst}); retry in {wait} s", retry_after=wait))
-            limit = state.config.max_body_bytes
+                        f"this {who} sent more than --rate-limit {state.config.http.rate_limit:g} requests per "
+                        f"second (burst {state.config.http.rate_burst}); retry in {wait} s", retry_after=wait))
+            limit = state.config.http.max_body_bytes
             length = dict(scope["headers"]).get(b"content-length")
             if length is not None and length.isdigit() and int(length) > limit:
                 return await reply(PayloadTooLargeError(
@@ -83,6 +83,37 @@ class GuardMiddleware:
                 return await self.app(scope, replay_receive, send_wrapper)
             return await self.app(scope, receive, send_wrapper)
         finally:
-            route = path if path.startswith(("/v1/", "/health", "/ready", "/metrics")) else "other"
+            route = route_template(scope)
             state.metrics.requests.labels(route=route, status=str(status_box["status"])).inc()
             state.metrics.latency.labels(route=route).observe(time.perf_counter() - t0)
+
+
+UNMATCHED = "unmatched"
+
+
+def route_template(scope) -> str:
+    """The matched route's template (`/v1/indexes/{name}`), else `unmatched`: a metric label never
+    holds a string a caller chose (index names, document ids, made-up paths), so the number of
+    series is bounded by the routes. A request refused before routing (401, 413, 429) is matched
+    here by path against the app's routes."""
+    route = scope.get("route")
+    if route is not None and getattr(route, "path", None):
+        return route.path
+    app = scope.get("app")
+    if app is None:
+        return UNMATCHED
+    table = getattr(app.state, "route_templates", None)
+    if table is None:                       # built once: the routes are fixed when the app starts
+        table = app.state.route_templates = [(r.path_regex, r.path) for r in _leaf_routes(app.router.routes)]
+    path = scope["path"]
+    return next((template for regex, template in table if regex.match(path)), UNMATCHED)
+
+
+def _leaf_routes(routes):
+    """The routes that match paths, through included routers of any nesting."""
+    for r in routes:
+        inner = getattr(r, "routes", None) or getattr(getattr(r, "original_router", None), "routes", None)
+        if inner:
+            yield from _leaf_routes(inner)
+        elif getattr(r, "path_regex", None) is not None and getattr(r, "path", None):
+            yield r

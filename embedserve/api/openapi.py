@@ -22,6 +22,7 @@ _DESCRIPTIONS = {
     413: "Request body over --max-body-bytes",
     429: "Queue full, too many requests in flight, or --rate-limit passed; retry after `Retry-After` seconds",
     503: "Loading, draining for shutdown, or an engine not running; retry after `Retry-After` seconds",
+    507: "The volume holding the indexes is full: the write was not applied; free space there and retry",
 }
 # Every /v1 route passes the guard (401, 429 of --rate-limit) and the drain (503); bodies also 413.
 _GUARDED = (401, 429, 503)

@@ -37,7 +37,7 @@ class AppState:
 
     def __post_init__(self):
         self.keys = KeyRing(self.config)
-        self.indexes = LiveIndexes(index_root(self.config.index_dir))
+        self.indexes = LiveIndexes(index_root(self.config.index.index_dir))
 
     @property
     def embedder(self) -> EmbedEngine | None:
@@ -46,11 +46,11 @@ class AppState:
 
     @property
     def served_name(self) -> str:
-        return next(iter(self.embedders), None) or self.config.served_model_name or self.config.model.split(",")[0]
+        return next(iter(self.embedders), None) or self.config.http.served_model_name or self.config.embed.models[0]
 
     def add_embedder(self, engine: EmbedEngine) -> str:
         """Serve `engine`'s model; the first one takes `--served-model-name`. Returns its name."""
-        name = (self.config.served_model_name if not self.embedders and self.config.served_model_name
+        name = (self.config.http.served_model_name if not self.embedders and self.config.http.served_model_name
                 else engine.spec.name)
         self.embedders[name] = engine
         return name

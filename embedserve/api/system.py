@@ -130,6 +130,6 @@ def build_router(state: AppState) -> APIRouter:
 def _limits(state: AppState, engine) -> dict:
     """What a client must stay under (embedserve.client splits its requests by these)."""
     cfg = state.config
-    return {"max_client_batch_size": cfg.max_client_batch_size, "max_batch_tokens": cfg.max_batch_tokens,
-            "max_queued_tokens": cfg.max_queued_tokens, "max_body_bytes": cfg.max_body_bytes,
+    return {"max_client_batch_size": cfg.http.max_client_batch_size, "max_batch_tokens": cfg.embed.max_batch_tokens,
+            "max_queued_tokens": cfg.embed.max_queued_tokens, "max_body_bytes": cfg.http.max_body_bytes,
             "max_input_length": engine.max_input_length}

@@ -86,7 +86,8 @@ def bench_rag_ttft(make_engine, tok, n: int) -> dict:
 
 def bench_precision(path, tok, repeats: int = 3) -> dict:
     """Our engine's decode throughput with float32 vs bfloat16 weights, same prompts and settings."""
-    from embedserve.engine.decode_engine import DecodeEngine, DecodeEngineConfig
+    from embedserve.config import DecodeConfig
+    from embedserve.engine.decode_engine import DecodeEngine
     from embedserve.engine.sequence import SamplingParams
     from embedserve.models.llama import LlamaModel
     from embedserve.precision import cpu_flags, fast_bf16_available
@@ -96,8 +97,8 @@ def bench_precision(path, tok, repeats: int = 3) -> dict:
     engines = {}
     for dtype in ("float32", "bfloat16"):
         model = LlamaModel.from_dir(path, dtype=getattr(torch, dtype))
-        engines[dtype] = DecodeEngine(model, tok, DecodeEngineConfig(
-            num_blocks=512, block_size=16, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=64))
+        engines[dtype] = DecodeEngine(model, tok, DecodeConfig(
+            block_size=16, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=64), num_blocks=512)
     times: dict[str, list[float]] = {f"{d}-{c}": [] for d in engines for c in (16, 1)}
     for _ in range(repeats + 1):                       # the first round warms up and is dropped
         for dtype, eng in engines.items():
@@ -117,7 +118,7 @@ def kv_memory(eng) -> dict:
     per_token_actual = (kc.element_size() * kc[0, 0].numel() * 2) * len(eng.runner.kv_caches)
     return {"bytes_per_token_formula": cfg.kv_bytes_per_token(kc.element_size()),
             "bytes_per_token_allocated": per_token_actual,
-            "block_size": eng.config.block_size, "num_blocks": eng.config.num_blocks}
+            "block_size": eng.config.block_size, "num_blocks": eng.num_blocks}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from embedserve.engine.decode_engine import DecodeEngine, DecodeEngineConfig
+    from embedserve.config import DecodeConfig
+    from embedserve.engine.decode_engine import DecodeEngine
     from embedserve.models.llama import LlamaModel
     from embedserve.models.registry import resolve_generate_model
 
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dict(num_blocks=2048, block_size=16, max_model_len=2048, max_num_batched_tokens=512,
                    max_num_seqs=64)
         cfg.update(kw)
-        return DecodeEngine(model, tok, DecodeEngineConfig(**cfg))
+        num_blocks = cfg.pop("num_blocks")
+        return DecodeEngine(model, tok, DecodeConfig(**cfg), num_blocks=num_blocks)
 
     lengths = np.random.default_rng(0).integers(16, 257, size=args.requests)
     prompts = _prompts(tok, args.requests, 128, seed=0)

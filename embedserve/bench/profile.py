@@ -111,11 +111,12 @@ def decoding_engine(model, tok, batch: int, prompt_len: int, max_tokens: int, wa
     sequences of `prompt_len`-token prompts (`max_tokens` each, ignore_eos) queued, their prefill
     run and `warm` decode steps taken. What `profile_decode` and `cpu_paths.decoder` time."""
     from embedserve.bench.decode_bench import _prompts
-    from embedserve.engine.decode_engine import DecodeEngine, DecodeEngineConfig, _Detok
+    from embedserve.config import DecodeConfig
+    from embedserve.engine.decode_engine import DecodeEngine, _Detok
     from embedserve.engine.sequence import SamplingParams, Sequence
 
-    eng = DecodeEngine(model, tok, DecodeEngineConfig(num_blocks=1024, block_size=16, max_model_len=2048,
-                                                      max_num_batched_tokens=2048, max_num_seqs=max(64, batch)))
+    eng = DecodeEngine(model, tok, DecodeConfig(block_size=16, max_model_len=2048, max_num_batched_tokens=2048,
+                                                max_num_seqs=max(64, batch)), num_blocks=1024)
     prompts = _prompts(tok, batch, prompt_len, seed=3)
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))   # warm-up
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -10,10 +10,18 @@ import sys
 from ..errors import ConfigError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the flag and what is wrong; `--help` lists the flags)
+    instead of the usage block, so a bad flag reads like a bad setting."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import index as index_cmds, reindex as reindex_cmds, serve as serve_cmds
 
-    p = argparse.ArgumentParser(prog="embedserve", description=__doc__)
+    p = Parser(prog="embedserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     serve_cmds.register(sub)
     # dispatched in main() before parsing; listed here for the help text
@@ -47,9 +55,12 @@ def main(argv: list[str] | None = None) -> int:
               + usage, file=sys.stderr, end="")
         return 2
     try:
-        args = build_parser().parse_args(argv)      # EMBEDSERVE_* fallbacks are read (and checked) here
+        try:
+            args = build_parser().parse_args(argv)  # EMBEDSERVE_* fallbacks are read (and checked) here
+        except SystemExit as exc:                   # --help, or a bad flag whose one line is printed
+            return exc.code if isinstance(exc.code, int) else 2
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, OSError) as exc:          # a setting that cannot work, a path that is not there
         print(f"embedserve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -5,43 +5,45 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from dataclasses import MISSING
 
-from ..config import ServerConfig, config_fields, env_default
+from ..config import ServerConfig, config_fields, env_default, field_default, flag
+from ..errors import ConfigError
 
 logger = logging.getLogger("embedserve")
 
 # Flags that may be given more than once (several models, keys, origins), joined with commas.
 _REPEATABLE = ("model", "api_key", "allowed_origins")
+_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per field of the configuration tree, its default from `EMBEDSERVE_<NAME>` if set."""
     for f in config_fields():
-        default = f.default if f.default is not MISSING else None
-        default = env_default(f.name, default, str(f.type))
-        flag = "--" + f.name.replace("_", "-")
+        default = env_default(f.name, field_default(f), str(f.type), f.metadata.get("choices"))
+        name, env, help = flag(f.name), f"EMBEDSERVE_{f.name.upper()}", f.metadata.get("help", "")
         if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                           help=f"{f.metadata.get('help', '')} [env EMBEDSERVE_{f.name.upper()}]")
-            continue
-        if f.name in _REPEATABLE:
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=f"{help} [env {env}]")
+        elif f.name in _REPEATABLE:
             shown = "" if f.name == "api_key" else f"; default {default!r}"     # --help never shows a key
-            p.add_argument(flag, action="append", default=None,
-                           help=f"{f.metadata.get('help', '')}; repeat for several "
-                                f"[env EMBEDSERVE_{f.name.upper()}, comma-separated{shown}]")
+            p.add_argument(name, action="append", default=None,
+                           help=f"{help}; repeat for several [env {env}, comma-separated{shown}]")
             p.set_defaults(**{f.name + "_default": default})
-            continue
-        typ = {"int": int, "int | None": int, "float | None": float, "float": float}.get(f.type, str)
-        p.add_argument(flag, type=typ, default=default,
-                       help=f"{f.metadata.get('help', '')} [env EMBEDSERVE_{f.name.upper()}; default {default!r}]")
+        else:
+            choices = f.metadata.get("choices")
+            typ = _TYPES.get(f.type, str)
+            if choices and typ is str:        # argparse names the flag and lists the choices
+                p.add_argument(name, choices=choices, default=default, help=f"{help} [env {env}; default {default!r}]")
+            else:
+                p.add_argument(name, type=typ, default=default, help=f"{help} [env {env}; default {default!r}]")
 
 
 def config_from_args(args) -> ServerConfig:
+    """The checked configuration tree from parsed flags (ConfigError naming the flag if not)."""
     values = {f.name: getattr(args, f.name) for f in config_fields()}
     for name in _REPEATABLE:
         given = getattr(args, name)
         values[name] = ",".join(given) if given else getattr(args, name + "_default")
-    return ServerConfig(**values)
+    return ServerConfig.of(**values)
 
 
 def register(subparsers) -> None:
@@ -59,33 +61,66 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def prepare(cfg: ServerConfig) -> tuple[list[str], list, tuple | None]:
+    """Everything that can refuse the configuration, before any weight loads or port is bound:
+    the compute paths set for this process, the index root writable, each model resolved and
+    planned. Returns (lines to show, [(name, path)] of the embedders, (name, path, plan) of the
+    decoder or None)."""
+    from index.dense import set_search_threads
+    from kernels import compute
+    from ..memory_plan import embed_memory_plan
+    from ..models.registry import resolve_model
+    from ..paths import index_root
+
+    if cfg.http.api_key_file:
+        from ..api.auth import read_key_file
+        read_key_file(cfg.http.api_key_file)          # ConfigError: unreadable, or no key in it
+    compute.configure(cfg.paths)
+    set_search_threads(cfg.index.faiss_threads)
+    root = index_root(cfg.index.index_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--index-dir {root}: cannot create it ({exc.strerror or exc}); "
+                          "point it at a writable folder") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError(f"--index-dir {root}: not writable by this user; point it at a writable folder")
+    lines = ["compute paths: " + ", ".join(cfg.paths.lines())]
+    resolved, embed_bytes = [], 0
+    for model in cfg.embed.models:
+        name, path = resolve_model(model)
+        plan = embed_memory_plan(path, cfg)
+        embed_bytes += plan.total
+        resolved.append((name, path))
+        lines += [f"model {name} ({path})", *plan.lines()]
+    decoder = None
+    if cfg.decode.enabled:
+        from ..serve import plan_generator
+        gname, gpath, gplan = plan_generator(cfg, embed_bytes=embed_bytes)
+        lines += [f"generate model {gname} ({gpath})", *gplan.lines()]
+        decoder = (gname, gpath, gplan)
+    return lines, resolved, decoder
+
+
 def cmd_serve(args) -> int:
     import torch
     import uvicorn
-    from ..memory_plan import embed_memory_plan
     from ..models.embedding_model import EmbeddingModel
-    from ..models.registry import resolve_model
-    from ..serve import DrainingServer, build_app, load_generator, plan_generator
+    from ..serve import DrainingServer, build_app, load_generator
 
     cfg = config_from_args(args)
-    _setup_logging(cfg.log_level)
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
-    resolved = [resolve_model(m) for m in cfg.models]
-    embed_bytes = 0
-    for name, path in resolved:
-        plan = embed_memory_plan(path, cfg)
-        embed_bytes += plan.total
-        for line in plan.lines():
-            logger.info("%s: %s", name, line)
+    _setup_logging(cfg.http.log_level)
+    lines, resolved, decoder = prepare(cfg)
+    for line in lines:
+        logger.info("%s", line)
+    torch.set_num_threads(cfg.compute.threads or os.cpu_count() or 1)
     gen_loader = None
-    if cfg.generate_model != "none":
-        gname, gpath, gplan = plan_generator(cfg, embed_bytes=embed_bytes)
-        for line in gplan.lines():
-            logger.info(line)
-        gen_loader = lambda: load_generator(cfg, gname, gpath, gplan)  # noqa: E731
-    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("binding to %s: the service is reachable from other machines%s", cfg.host,
-                       "" if cfg.api_key or cfg.api_key_file else " and no --api-key is set")
+    if decoder is not None:
+        gen_loader = lambda: load_generator(cfg, *decoder)  # noqa: E731
+    http = cfg.http
+    if http.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("binding to %s: the service is reachable from other machines%s", http.host,
+                       "" if http.api_key or http.api_key_file else " and no --api-key is set")
 
     server_box = {}
 
@@ -94,35 +129,20 @@ def cmd_serve(args) -> int:
         if "server" in server_box:
             server_box["server"].should_exit = True
 
-    app = build_app(cfg, loader=lambda: [EmbeddingModel(path, name=name, dtype=cfg.dtype, device=cfg.device)
-                                         for name, path in resolved],
+    app = build_app(cfg, loader=lambda: [EmbeddingModel(path, name=name, dtype=cfg.compute.dtype,
+                                                        device=cfg.compute.device) for name, path in resolved],
                     on_load_error=on_load_error, gen_loader=gen_loader)
     # drained first (DrainingServer), so uvicorn's own grace period only closes idle connections
-    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+    server = DrainingServer(uvicorn.Config(app, host=http.host, port=http.port, log_level=http.log_level,
                                            access_log=False, timeout_graceful_shutdown=5),
-                            state=app.state.embedserve, timeout=cfg.shutdown_timeout)
+                            state=app.state.embedserve, timeout=http.shutdown_timeout)
     server_box["server"] = server
     server.run()
     return 1 if server_box.get("failed") else 0
 
 
 def cmd_plan(args) -> int:
-    from ..memory_plan import embed_memory_plan
-    from ..models.registry import resolve_model
-
     cfg = config_from_args(args)
-    embed_bytes = 0
-    for model in cfg.models:
-        name, path = resolve_model(model)
-        plan = embed_memory_plan(path, cfg)
-        embed_bytes += plan.total
-        print(f"model {name} ({path})")
-        for line in plan.lines():
-            print(line)
-    if cfg.generate_model != "none":
-        from ..serve import plan_generator
-        gname, gpath, gplan = plan_generator(cfg, embed_bytes=embed_bytes)
-        print(f"generate model {gname} ({gpath})")
-        for line in gplan.lines():
-            print(line)
+    lines, _, _ = prepare(cfg)
+    print("\n".join(lines))
     return 0

@@ -15,7 +15,10 @@ from typing import Callable
 
 import torch
 
-from ..errors import OverloadedError, UnavailableError, ValidationError
+from kernels import check_kv_cache_dtype
+
+from ..config import DecodeConfig
+from ..errors import ConfigError, OverloadedError, UnavailableError, ValidationError
 from ..metrics import Metrics
 from ..models.llama import LlamaModel
 from .block_manager import BlockManager
@@ -27,29 +30,6 @@ from .sequence import SamplingParams, Sequence, TokenLogprob
 from .engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class DecodeEngineConfig:
-    """KV cache and scheduling limits (CLI flags of the same names)."""
-
-    num_blocks: int
-    block_size: int = 16
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    kv_cache_dtype: torch.dtype | None = None     # default: the model's dtype
-
-    def __post_init__(self):
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError("--block-size must be one of 8, 16, 32, 64, 128")
-        if self.num_blocks < 1:
-            raise ValueError("the KV cache holds no block; raise --kv-cache-memory")
-        if not self.enable_chunked_prefill and self.max_model_len > self.max_num_batched_tokens:
-            raise ValueError(f"without chunked prefill, --max-num-batched-tokens {self.max_num_batched_tokens} "
-                             f"must be >= --max-model-len {self.max_model_len}")
 
 
 @dataclass(slots=True)
@@ -101,15 +81,26 @@ class DecodeEngine(EngineThread):
 
     thread_name = "decode-engine"
 
-    def __init__(self, model: LlamaModel, tokenizer, config: DecodeEngineConfig, metrics: Metrics | None = None):
+    def __init__(self, model: LlamaModel, tokenizer, config: DecodeConfig, num_blocks: int,
+                 metrics: Metrics | None = None):
+        """`config` is the tree's decode section with its model length and step budget filled in
+        (as the memory plan does); `num_blocks` KV blocks of `config.block_size` tokens."""
         super().__init__()
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None, \
+            "the memory plan fills in the model length and the configuration tree the step budget"
+        if num_blocks < 1:
+            raise ConfigError("the KV cache holds no block; raise --kv-cache-memory")
+        config.check_model_len(config.max_model_len)
+        try:
+            kv_dtype = check_kv_cache_dtype(config.kv_cache_dtype, model.device, model.dtype)
+        except ValueError as exc:
+            raise ConfigError(f"--kv-cache-dtype: {exc}") from None
+        self.model, self.tokenizer, self.config, self.num_blocks = model, tokenizer, config, num_blocks
         self.metrics = metrics or Metrics()
-        self.bm = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.enable_chunked_prefill), self.bm)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size,
-                                  config.kv_cache_dtype or model.dtype)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype)
         self.eos = set(model.cfg.eos_token_ids)
         self._ids = itertools.count()
         self._inbox: list[tuple[str, object]] = []
@@ -130,9 +121,9 @@ class DecodeEngine(EngineThread):
             raise ValidationError(f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
                                   f"{total} > --max-model-len {cfg.max_model_len}; shorten the prompt or "
                                   "lower max_tokens", param="max_tokens", code="context_length_exceeded")
-        if self.bm.blocks_needed(total) > cfg.num_blocks:
+        if self.bm.blocks_needed(total) > self.num_blocks:
             raise ValidationError(f"{total} tokens need {self.bm.blocks_needed(total)} KV blocks; the cache "
-                                  f"has {cfg.num_blocks}; lower max_tokens", param="max_tokens")
+                                  f"has {self.num_blocks}; lower max_tokens", param="max_tokens")
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse logit_bias ids outside the vocabulary (they would fail the whole batch's step)."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
+from ..config import EmbedConfig
 from ..errors import OverloadedError, UnavailableError, ValidationError
 from ..metrics import Metrics
 from ..models.embedding_model import EmbeddingModel
@@ -23,33 +23,19 @@ logger = logging.getLogger(__name__)
 COMPUTE_LOCK = threading.Lock()
 
 
-@dataclass(slots=True)
-class EmbedEngineConfig:
-    """Batching and admission limits (CLI flags of the same names)."""
-
-    max_batch_tokens: int = 8192
-    max_batch_size: int = 256
-    max_queued_tokens: int = 262_144
-    max_concurrent_requests: int = 512
-    max_input_length: int | None = None      # default: the model's
-
-    def __post_init__(self):
-        for f in ("max_batch_tokens", "max_batch_size", "max_queued_tokens", "max_concurrent_requests"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"--{f.replace('_', '-')} must be >= 1")
-        if self.max_queued_tokens < self.max_batch_tokens:
-            raise ValueError("--max-queued-tokens must be >= --max-batch-tokens")
-
-
 class EmbedEngine(EngineThread):
     """Owns the queue and the model thread."""
 
     thread_name = "embed-engine"
 
-    def __init__(self, model: EmbeddingModel, config: EmbedEngineConfig, metrics: Metrics | None = None):
+    def __init__(self, model: EmbeddingModel, config: EmbedConfig, metrics: Metrics | None = None):
+        """`config` is the tree's embed section (its batch budget filled in, as `ServerConfig` does);
+        ConfigError where its limits cannot hold this model's longest input."""
         super().__init__()
+        assert config.max_batch_tokens is not None, "the configuration tree fills in the batch budget"
         self.model = model
         self.config = config
+        self.max_input_length = config.input_limit(model.max_input_length)
         self.metrics = metrics or Metrics()
         self._queue = TokenBudgetQueue()
         self._active: set[EmbedRequest] = set()
@@ -77,10 +63,6 @@ class EmbedEngine(EngineThread):
     def spec(self):
         """The served model's `ModelSpec` (name, dimension, heads, dtype, fingerprint...)."""
         return self.model.spec
-
-    @property
-    def max_input_length(self) -> int:
-        return self.config.max_input_length or self.model.max_input_length
 
     @property
     def embedding_types(self) -> set[str]:

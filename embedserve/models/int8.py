@@ -31,17 +31,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import warnings
 
 import torch
+
+from kernels import compute
 
 from ..precision import cpu_flags
 from .linear import Linear
 
 logger = logging.getLogger(__name__)
 
-KERNEL_ENV = "EMBEDSERVE_INT8_KERNEL"
 INT8_LINEARS = ("qkv", "attn_out", "ffn_up", "ffn_down")
 # With fbgemm's 7-bit weights the FFN-down projection (its input, the GELU output, carries the
 # outlier channels) stays in the activation dtype: measured on the retrieval test's 250 documents,
@@ -54,14 +54,15 @@ _VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")
 FBGEMM_X_LEVELS, FBGEMM_W_LEVELS = 127, 63
 
 
-@functools.cache
 def int8_kernel() -> str:
-    """`int_mm` where the CPU has VNNI (or a GPU), else `fbgemm`; EMBEDSERVE_INT8_KERNEL overrides."""
-    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
-    if forced in ("int_mm", "fbgemm"):
-        return forced
-    if forced:
-        raise ValueError(f"{KERNEL_ENV}={forced!r}: choose int_mm or fbgemm")
+    """`int_mm` where the CPU has VNNI (or a GPU), else `fbgemm`; the `int8_kernel` compute path
+    (--int8-kernel, EMBEDSERVE_INT8_KERNEL) overrides."""
+    forced = compute.current().int8_kernel
+    return forced if forced != "auto" else _detected_int8_kernel()
+
+
+@functools.cache
+def _detected_int8_kernel() -> str:
     has_fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
     return "int_mm" if any(f in cpu_flags() for f in _VNNI) or not has_fbgemm else "fbgemm"
 

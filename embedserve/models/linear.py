@@ -13,7 +13,7 @@ fp32 stays fp32 (oneDNN's default fp32 math is strict): errors against a float64
 ~1e-4 on outputs of magnitude ~25, twice F.linear's, far inside the equivalence tests' bounds.
 
 Packing is used where a probe at first use shows the op runs and agrees with `F.linear` on
-this machine and device (a CPU with oneDNN); elsewhere, or with EMBEDSERVE_PACKED_LINEAR=0,
+this machine and device (a CPU with oneDNN); elsewhere, or with --no-packed-linear,
 it is plain `F.linear`. The packed weight replaces the original (same bytes, no copy kept),
 except where `small_rows` keeps it too: the decoder's steps of a few sequences are bound by
 reading the weights once, and `kernels.cpu_attention.gemv` reads the row-major original faster
@@ -24,25 +24,26 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
+from kernels import compute, cpu_attention
 from kernels.cpu_attention import GEMV_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
-ENV = "EMBEDSERVE_PACKED_LINEAR"
-GEMV_ENV = "EMBEDSERVE_DECODE_GEMV"
+def packing_available(dtype: torch.dtype, device_type: str = "cpu") -> str | None:
+    """None where packed linears run and agree with F.linear in `dtype`, else why not (the
+    `packed_linear` compute path, `kernels.compute`, turns them off)."""
+    if not compute.current().packed_linear:
+        return "packed_linear=false"
+    return _packing_probe(dtype, device_type)
 
 
 @functools.cache
-def packing_available(dtype: torch.dtype, device_type: str = "cpu") -> str | None:
-    """None where packed linears run and agree with F.linear in `dtype`, else why not."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return f"{ENV}=0"
+def _packing_probe(dtype: torch.dtype, device_type: str) -> str | None:
+    """Whether the packed op runs and agrees with F.linear here (probed once per dtype)."""
     if device_type != "cpu":
         return f"packed linears are a CPU path (device {device_type})"
     if not torch.backends.mkldnn.is_available():
@@ -67,9 +68,9 @@ def packing_available(dtype: torch.dtype, device_type: str = "cpu") -> str | Non
 
 def small_rows_kernel(dtype: torch.dtype, device_type: str = "cpu") -> str | None:
     """None where `Linear(small_rows=True)` takes `gemv` for a few rows (float32 on a CPU with the
-    C kernels built), else why not; EMBEDSERVE_DECODE_GEMV=0 turns it off."""
-    if os.environ.get(GEMV_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return f"{GEMV_ENV}=0"
+    C kernels built), else why not; the `decode_gemv` compute path turns it off."""
+    if not compute.current().decode_gemv:
+        return "decode_gemv=false"
     if device_type != "cpu" or dtype != torch.float32:
         return f"the small-batch kernel is a float32 CPU path (here {dtype} on {device_type})"
     return cpu_attention.available()
