@@ -10,12 +10,18 @@ new version's doc store skips documents whose text it already holds, so each doc
 embedded once. The last catch-up and the swap run under the live version's SQLite write lock,
 and the old version is marked retired inside it, so a writer still holding the old version
 after the swap is refused (retryable) instead of writing where no one reads.
+
+The ledger entry of a swap (a reindex's or a rollback's) is written as "swapping" before any
+marker or `CURRENT` moves and completed after; a process killed in between leaves it for the
+next migration, rollback or `index history` to settle from `CURRENT` (`ledger.recover`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -38,6 +44,16 @@ from .lock import migration_lock
 logger = logging.getLogger(__name__)
 
 CHECKPOINT = "reindex.json"
+# Test-only aid: the kill tests set this to a fault point's name ("before_swap", "after_swap")
+# and the process SIGKILLs itself there, as `kill -9` at that instant would. Nothing else sets it.
+FAULT_INJECT_ENV = "EMBEDSERVE_FAULT_INJECT"
+
+
+def _fault_point(where: str) -> None:
+    """Die here, as `kill -9` would, when the (test-only) fault-injection variable names `where`."""
+    if os.environ.get(FAULT_INJECT_ENV) == where:
+        logger.warning("fault injection: SIGKILL at %s", where)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(slots=True)
@@ -89,10 +105,14 @@ def _write_in_version(version_dir: Path, name: str, text: str) -> None:
 
 
 def _target(store: IndexStore, name: str, live: str, embedder) -> tuple[str, Checkpoint]:
-    """The unfinished version a previous run of this migration left, else a new one."""
+    """The unfinished version a previous run of this migration left, else a new one. A version
+    that went live once (its ledger entry says so) is never resumed, even if the run that
+    swapped it in was killed before it marked its checkpoint finished."""
+    applied = {e["version"] for e in ledger.history(store.index_dir(name), resolve=False) if e["kind"] == "reindex"}
     for version in reversed(store.versions(name)):
         ck = Checkpoint.load(store.version_dir(name, version))
-        if ck and not ck.finished and ck.parent == live and ck.to_fingerprint == embedder.identity.fingerprint:
+        if (ck and not ck.finished and version not in applied and ck.parent == live
+                and ck.to_fingerprint == embedder.identity.fingerprint):
             logger.info("index %s: resuming the reindex into %s after write %d", name, version, ck.copied_upto)
             return version, ck
     version = store.add_version(name, embedder.identity)
@@ -157,6 +177,7 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
     the catch-up passes (small by then), the gate and the swap run here with `embedder`."""
     index_dir = store.index_dir(name)
     with migration_lock(index_dir, name):
+        ledger.recover(index_dir)                   # a swap a killed run left unrecorded
         live = store.current(name)
         old_manifest = store.manifest(name, live)
         if old_manifest.fingerprint == embedder.identity.fingerprint:
@@ -179,22 +200,42 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
             if not report.ok:
                 raise GateFailed(f"the gate refused {name}/{version}; {live} stays live: "
                                  + "; ".join(report.failures()), report)
-            if not dry_run:
-                _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report)
-                ck.finished = True
-                ck.save(new_dir)
-            entry = _entry(name, old_manifest, live, version, embedder, ck, report, t0)
-            entry["engine"] = "ray" if engine is not None else "in-process"
-            if not dry_run:
-                ledger.append(index_dir, entry)
-            return {**entry, "swapped": not dry_run}
+
+            def entry() -> dict:
+                return {**_entry(name, old_manifest, live, version, embedder, ck, report, t0),
+                        "engine": "ray" if engine is not None else "in-process"}
+            if dry_run:
+                return {**entry(), "swapped": False}
+            with _settled_on_error(index_dir):
+                begun = _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report,
+                                               lambda: ledger.begin(index_dir, entry()))
+                done = ledger.complete(index_dir, begun)
+            ck.finished = True
+            ck.save(new_dir)
+            return {**done, "swapped": True}
         finally:
             old.close(snapshot=False)
             new.close()
 
 
-def _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report: GateReport) -> None:
-    """The last catch-up and the swap, with writers to the live version held off."""
+@contextmanager
+def _settled_on_error(index_dir: Path):
+    """An error between a ledger entry's `begin` and `complete` settles the entry at once from
+    `CURRENT` (a kill leaves that to the next run, rollback or `index history`)."""
+    try:
+        yield
+    except BaseException:
+        try:
+            ledger.recover(index_dir)
+        except Exception:                                   # the original error matters more
+            logger.exception("index %s: settling the unfinished ledger entry failed", index_dir.name)
+        raise
+
+
+def _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report: GateReport,
+                           begin: Callable[[], dict]) -> dict:
+    """The last catch-up and the swap, with writers to the live version held off; returns the
+    ledger entry `begin()` wrote ("swapping") just before the swap."""
     with _writers_held_off(old.path):
         _copy(old, new, embedder, ck, new_dir, batch_docs, None)
         _drop_deleted(old, new)
@@ -204,8 +245,12 @@ def _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_d
             raise GateFailed(f"counts differ at the swap (live {n_old}, new {n_new}); nothing swapped", report)
         new.snapshot()
         ck.swap_seq = new.docs.seq()              # a rollback carries back the writes after it
+        entry = begin()                           # from here a kill is settled from CURRENT
         atomic_write(old.path / RETIRED, f"{new.version}\n".encode())   # we hold its temp lock
+        _fault_point("before_swap")
         store.set_current(name, new.version)
+        _fault_point("after_swap")
+    return entry
 
 
 def _entry(name, old_manifest, live, version, embedder, ck: Checkpoint, report: GateReport, t0: float) -> dict:
@@ -226,37 +271,47 @@ def rollback(store: IndexStore, name: str, embedder=None, *, batch_docs: int = 2
     move of `CURRENT` under the write lock, well under a second. Recorded in the ledger."""
     index_dir = store.index_dir(name)
     with migration_lock(index_dir, name):
+        ledger.recover(index_dir)                   # a swap a killed run left unrecorded
         live = store.current(name)
-        last = _last_migration(store, name, live)
+        last = _last_migration(ledger.history(index_dir, resolve=False), name, live)
         parent, since = last["parent"], last.get("swap_seq", 0)
         t0 = time.time()
-        carried = 0 if _move_back_if_untouched(store, name, live, parent, since) else \
-            _carry_back(store, name, live, parent, since, embedder, batch_docs)
-        entry = {"kind": "rollback", "index": name, "parent": live, "version": parent,
-                 "from_model": last["to_model"], "to_model": last["from_model"], "carried": carried,
-                 "finished_at": _iso(time.time()), "seconds": round(time.time() - t0, 4)}
-        ledger.append(index_dir, entry)
-        return entry
+
+        def begin(carried: int) -> dict:
+            return ledger.begin(index_dir, {
+                "kind": "rollback", "index": name, "parent": live, "version": parent,
+                "from_model": last["to_model"], "to_model": last["from_model"], "carried": carried,
+                "finished_at": _iso(time.time()), "seconds": round(time.time() - t0, 4)})
+        with _settled_on_error(index_dir):
+            begun = _move_back_if_untouched(store, name, live, parent, since, begin) or \
+                _carry_back(store, name, live, parent, since, embedder, batch_docs, begin)
+            return ledger.complete(index_dir, begun)
 
 
-def _move_back_if_untouched(store: IndexStore, name: str, live: str, parent: str, since: int) -> bool:
+def _move_back_if_untouched(store: IndexStore, name: str, live: str, parent: str, since: int,
+                            begin: Callable[[int], dict]) -> dict | None:
     """If nothing was written to `live` since the swap (its doc store's sequence number is still
-    `since`), make `parent` live again, holding writers off while we look; else False."""
+    `since`), make `parent` live again, holding writers off while we look, and return the ledger
+    entry `begin(0)` wrote before the move; else None."""
     live_dir = store.version_dir(name, live)
     with _writers_held_off(live_dir) as lock:
         if since == 0 or int(lock.execute("SELECT value FROM meta WHERE key='seq'").fetchone()[0]) != since:
-            return False
+            return None
+        entry = begin(0)                                                 # settled from CURRENT after a kill
         (store.version_dir(name, parent) / RETIRED).unlink(missing_ok=True)
         atomic_write(live_dir / RETIRED, f"{parent}\n".encode())        # we hold its temp lock
+        _fault_point("before_swap")
         store.set_current(name, parent)
-        return True
+        _fault_point("after_swap")
+        return entry
 
 
 def _carry_back(store: IndexStore, name: str, live: str, parent: str, since: int, embedder,
-                batch_docs: int) -> int:
+                batch_docs: int, begin: Callable[[int], dict]) -> dict:
     """Copy the writes made to `live` after its write `since` into `parent` (passes until the
-    gap is small, the last under the write lock), then make `parent` live; returns the
-    documents carried. On failure `parent` stays retired and `live` live."""
+    gap is small, the last under the write lock), then make `parent` live; returns the ledger
+    entry `begin(documents carried)` wrote before the move. On failure `parent` stays retired
+    and `live` live."""
     parent_dir = store.version_dir(name, parent)
     (parent_dir / RETIRED).unlink(missing_ok=True)          # it takes the writes we carry back
     cur = store.open(name, version=live)
@@ -276,10 +331,13 @@ def _carry_back(store: IndexStore, name: str, live: str, parent: str, since: int
                 raise MigrationError(f"counts differ after carrying the writes back (live {n_cur}, "
                                      f"{parent} {n_back}); nothing rolled back", code="rollback_counts")
             back.snapshot()
+            entry = begin(carried + moved)                           # settled from CURRENT after a kill
             atomic_write(cur.path / RETIRED, f"{parent}\n".encode())    # we hold its temp lock
+            _fault_point("before_swap")
             store.set_current(name, parent)
             swapped = True
-        return carried + moved
+            _fault_point("after_swap")
+        return entry
     finally:
         cur.close(snapshot=False)
         back.close()
@@ -291,8 +349,9 @@ def writes_since_swap(store: IndexStore, name: str) -> dict:
     """What a rollback of `name` would carry back: the documents written on the live version
     since the swap (`written`), of which `texts` have a text the parent does not hold (these need
     the parent's model, `model`), and the documents deleted since."""
+    history = ledger.history(store.index_dir(name))      # settles a swap a killed run left
     live = store.current(name)
-    last = _last_migration(store, name, live)
+    last = _last_migration(history, name, live)
     cur = store.open(name, version=live)
     back = store.open(name, version=last["parent"])
     try:
@@ -309,9 +368,9 @@ def writes_since_swap(store: IndexStore, name: str) -> dict:
         back.close(snapshot=False)
 
 
-def _last_migration(store: IndexStore, name: str, live: str) -> dict:
-    last = next((e for e in reversed(ledger.history(store.index_dir(name))) if e.get("version") == live
-                 and e.get("kind") == "reindex"), None)
+def _last_migration(history: list[dict], name: str, live: str) -> dict:
+    """The applied reindex that made `live` live (from the ledger's `history`)."""
+    last = next((e for e in reversed(history) if e.get("version") == live and e.get("kind") == "reindex"), None)
     if last is None:
         raise MigrationError(f"index {name!r}: no migration produced the live version {live}; nothing to "
                              "roll back", code="nothing_to_roll_back")
