@@ -1,11 +1,20 @@
 """The indexes a long-running process keeps open: one per name, following `CURRENT`, so a
-version swap (a reindex migration) is picked up on the next access."""
+version swap (a reindex migration) is picked up on the next access.
+
+Requests hold the version they use by a lease (`with live.lease(name) as ix:`, or `acquire` /
+`release`). A version `CURRENT` moved away from (or an index being deleted) leaves the open set
+at once and is closed — SQLite handles closed, FAISS and postings dropped — when its last
+lease is released, so a request in flight at a swap finishes on the version it took and no
+replaced version outlives its requests.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from .core import Index
 from .docstore import DB_NAME, read_counts
@@ -22,7 +31,8 @@ class LiveIndexes:
         self.root = Path(root)
         self._store: IndexStore | None = None
         self._open: dict[str, Index] = {}
-        self._replaced: list[Index] = []       # versions CURRENT moved away from; requests may still use them
+        self._leases: dict[Index, int] = {}    # leases held on each open or replaced version
+        self._replaced: set[Index] = set()     # out of the open set, closed when their last lease goes
         self._lock = threading.Lock()
 
     @property
@@ -31,26 +41,79 @@ class LiveIndexes:
             self._store = IndexStore(self.root)
         return self._store
 
-    def get(self, name: str, identity: ModelIdentity | None) -> Index:
-        """The live version of `name`, (re)opened when `CURRENT` moved; refused on mismatch."""
+    @contextmanager
+    def lease(self, name: str, identity: ModelIdentity | None = None) -> Iterator[Index]:
+        """The live version of `name`, held for the block (see `acquire`)."""
+        ix = self.acquire(name, identity)
+        try:
+            yield ix
+        finally:
+            self.release(ix)
+
+    def acquire(self, name: str, identity: ModelIdentity | None = None) -> Index:
+        """Lease the live version of `name`, (re)opened when `CURRENT` moved; refused on
+        mismatch. Every `acquire` is paired with one `release` of the index it returned."""
         version = self.store.current(name)
+        doomed = None
         with self._lock:
             ix = self._open.get(name)
             if ix is not None and ix.version != version:
                 logger.info("index %s: current moved %s -> %s; reopening", name, ix.version, version)
-                self._replaced.append(self._open.pop(name))
+                doomed = self._retire(self._open.pop(name))
                 ix = None
             if ix is None:
                 ix = self.store.open(name, version=version)
                 self._open[name] = ix
+            self._leases[ix] = self._leases.get(ix, 0) + 1
+        if doomed is not None:
+            doomed.close(snapshot=False)
         if identity is not None:
-            ix.manifest.check(identity, "open")
+            try:
+                ix.manifest.check(identity, "open")
+            except BaseException:
+                self.release(ix)
+                raise
         return ix
+
+    def release(self, ix: Index) -> None:
+        """Give back a lease `acquire` handed out; the last one of a replaced version closes it."""
+        with self._lock:
+            left = self._leases[ix] - 1
+            if left:
+                self._leases[ix] = left
+                return
+            del self._leases[ix]
+            if ix not in self._replaced:
+                return
+            self._replaced.discard(ix)
+        self._close_replaced(ix)
+
+    def _retire(self, ix: Index) -> Index | None:
+        """Take `ix` out of service (under the lock): returned to be closed now if no lease holds
+        it, else closed by the release of its last lease."""
+        if self._leases.get(ix):
+            self._replaced.add(ix)
+            return None
+        return ix
+
+    def _close_replaced(self, ix: Index) -> None:
+        # No snapshot: the version is no longer the live one (a migration retired it, or the index
+        # is being deleted); what it applied is in its doc store and replayed if it is opened again.
+        ix.close(snapshot=False)
+        logger.info("index %s/%s: closed (replaced, last lease released)", ix.name, ix.version)
+
+    def open_versions(self) -> list[tuple[str, str, int]]:
+        """(name, version, leases) of every version held open: the live ones and the replaced
+        ones requests still hold."""
+        with self._lock:
+            held = list(self._open.values()) + list(self._replaced)
+            return [(ix.name, ix.version, self._leases.get(ix, 0)) for ix in held]
 
     def create(self, name: str, identity: ModelIdentity, dense) -> dict:
         """Create `name` bound to `identity`'s model; its description."""
         self.store.create(name, identity, dense).close()
-        return self.get(name, identity).describe()
+        with self.lease(name, identity) as ix:
+            return ix.describe()
 
     def summaries(self, why_not) -> list[dict]:
         """One line per index; `why_not(manifest)` says why no served model may use it (or None)."""
@@ -66,23 +129,32 @@ class LiveIndexes:
         """Live counts: the open index's, else its doc store's (the manifest's are the last snapshot's)."""
         with self._lock:
             ix = self._open.get(name)
-        if ix is not None and ix.version == m.version:
+            if ix is not None and ix.version == m.version:
+                self._leases[ix] = self._leases.get(ix, 0) + 1
+            else:
+                ix = None
+        if ix is None:
+            return read_counts(self.store.version_dir(name, m.version) / DB_NAME)
+        try:
             return ix.counts()
-        return read_counts(self.store.version_dir(name, m.version) / DB_NAME)
+        finally:
+            self.release(ix)
 
     def delete(self, name: str) -> None:
-        """Close (no snapshot: it is going away) and delete `name`."""
+        """Delete `name`; its open version closes (no snapshot: it is going away) once the
+        requests holding it finish."""
         with self._lock:
             ix = self._open.pop(name, None)
-        if ix is not None:
-            ix.close(snapshot=False)
+            doomed = self._retire(ix) if ix is not None else None
+        if doomed is not None:
+            doomed.close(snapshot=False)
         self.store.delete(name)
 
     def close_all(self) -> None:
         """Snapshot and close everything (on shutdown, so the next start replays little)."""
         with self._lock:
             items, self._open = list(self._open.values()), {}
-            replaced, self._replaced = self._replaced, []
+            replaced, self._replaced = self._replaced, set()
         for ix in items:
             ix.close()
         for ix in replaced:

@@ -10,8 +10,10 @@ switches model and version together; an index no served model built is refused w
 from __future__ import annotations
 
 import logging
+from contextlib import asynccontextmanager
 from typing import Any, Literal
 
+import anyio
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
@@ -251,6 +253,18 @@ async def _embed_query(state: AppState, request: Request, text: str, mode: str, 
     return await run_in_threadpool(emb.query_vectors, out, text, mode)
 
 
+@asynccontextmanager
+async def _leased(indexes, name: str):
+    """The live version of `name`, leased for the rest of the request (a version a swap
+    replaces meanwhile closes only once the requests that took it are done)."""
+    ix = await run_in_threadpool(indexes.acquire, name, None)
+    try:
+        yield ix
+    finally:
+        with anyio.CancelScope(shield=True):        # released even if the request is cancelled
+            await run_in_threadpool(indexes.release, ix)
+
+
 def build_router(state: AppState) -> APIRouter:
     """The index routes, bound to the app's state (engine, config, open indexes)."""
     indexes = state.indexes
@@ -275,9 +289,9 @@ def build_router(state: AppState) -> APIRouter:
     @router.get("/v1/indexes/{name}", **route_doc(None, 400, 404, ok=IndexObject))
     async def get_index(name: str = _NAME_IN_PATH):
         check_name(name)
-        ix = await run_in_threadpool(indexes.get, name, None)
-        info = _index_object(await run_in_threadpool(ix.describe))
-        why = _why_not(state, ix.manifest)
+        async with _leased(indexes, name) as ix:
+            info = _index_object(await run_in_threadpool(ix.describe))
+            why = _why_not(state, ix.manifest)
         info["compatible"], info["mismatch"] = why is None, why
         return info
 
@@ -285,10 +299,10 @@ def build_router(state: AppState) -> APIRouter:
     async def reload_index(name: str = _NAME_IN_PATH):
         """Pick up a moved `CURRENT` now (every request also checks it): the live version and the
         served model that will answer for it."""
-        ix = await run_in_threadpool(indexes.get, check_name(name), None)
-        why = _why_not(state, ix.manifest)
-        model = state.name_of(state.engine_for_index(ix.manifest)) if why is None else None
-        return {"object": "index.reload", "name": name, "version": ix.version, "model": model, "mismatch": why}
+        async with _leased(indexes, check_name(name)) as ix:
+            why = _why_not(state, ix.manifest)
+            model = state.name_of(state.engine_for_index(ix.manifest)) if why is None else None
+            return {"object": "index.reload", "name": name, "version": ix.version, "model": model, "mismatch": why}
 
     @router.delete("/v1/indexes/{name}", **route_doc(None, 400, 404, ok=IndexDeleted))
     async def delete_index(name: str = _NAME_IN_PATH):
@@ -313,25 +327,25 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         if len(docs) > state.config.http.max_client_batch_size:
             raise ValidationError(f"{len(docs)} documents; the limit (--max-client-batch-size) is "
                                   f"{state.config.http.max_client_batch_size}; split the upsert", param="documents")
-        ix = await run_in_threadpool(indexes.get, name, None)
-        engine = state.engine_for_index(ix.manifest)
-        ident = state.identity(engine)
-        todo = await run_in_threadpool(ops.plan_upsert, ix, docs)
-        vectors = DocumentVectors([], [])
-        if todo:
-            vectors = await _embed_documents(state, request, [docs[i].text for i in todo], engine)
-            if vectors is None:
-                return Response(status_code=499)
-        result = await run_in_threadpool(ops.commit_upsert, ix, docs, todo, vectors, ident)
+        async with _leased(indexes, name) as ix:
+            engine = state.engine_for_index(ix.manifest)
+            ident = state.identity(engine)
+            todo = await run_in_threadpool(ops.plan_upsert, ix, docs)
+            vectors = DocumentVectors([], [])
+            if todo:
+                vectors = await _embed_documents(state, request, [docs[i].text for i in todo], engine)
+                if vectors is None:
+                    return Response(status_code=499)
+            result = await run_in_threadpool(ops.commit_upsert, ix, docs, todo, vectors, ident)
         return {"object": "index.upsert", **result.to_dict()}
 
     @router.delete("/v1/indexes/{name}/documents", **route_doc(DeleteDocumentsRequest, 404, 409, 507, ok=DeleteDocumentsResponse))
     async def delete_documents(request: Request, name: str = _NAME_IN_PATH):
         check_name(name)
         body = await parse_body(request, DeleteDocumentsRequest)
-        ix = await run_in_threadpool(indexes.get, name, None)
-        ident = state.identity(state.engine_for_index(ix.manifest)) if state.ready else None
-        change = await run_in_threadpool(ix.delete, body.ids, ident)
+        async with _leased(indexes, name) as ix:
+            ident = state.identity(state.engine_for_index(ix.manifest)) if state.ready else None
+            change = await run_in_threadpool(ix.delete, body.ids, ident)
         missing = [k for k, v in change.outcomes.items() if v == "missing"]
         return {"object": "index.delete", "index": name, "version": ix.version,
                 "deleted": len(change.outcomes) - len(missing), "missing": missing, "sequence": change.seq}
@@ -344,19 +358,19 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         if not body.query.strip():
             raise ValidationError("`query` is blank; send the text to search for", param="query")
         # the index version and the model that built it, taken together: a swap of `CURRENT`
-        # during this request changes neither (this request finishes on the pair it took)
-        ix = await run_in_threadpool(indexes.get, name, None)
-        engine = state.engine_for_index(ix.manifest)
-        if body.model is not None and requested is not engine:
-            ix.manifest.check(state.identity(requested), "search")
-        ident = state.identity(engine)
-        vectors = await _embed_query(state, request, body.query, body.mode, engine)
-        if vectors is None:
-            return Response(status_code=499)
-        weights = (body.weights.dense, body.weights.sparse) if body.weights else DEFAULT_WEIGHTS
-        query = Query(dense=vectors[0], sparse=vectors[1], top_k=body.top_k, mode=body.mode, fusion=body.fusion,
-                      weights=weights, filter=body.filter)
-        hits = await run_in_threadpool(ix.search, query, ident)
+        # during this request changes neither (this request finishes on the pair it took, leased)
+        async with _leased(indexes, name) as ix:
+            engine = state.engine_for_index(ix.manifest)
+            if body.model is not None and requested is not engine:
+                ix.manifest.check(state.identity(requested), "search")
+            ident = state.identity(engine)
+            vectors = await _embed_query(state, request, body.query, body.mode, engine)
+            if vectors is None:
+                return Response(status_code=499)
+            weights = (body.weights.dense, body.weights.sparse) if body.weights else DEFAULT_WEIGHTS
+            query = Query(dense=vectors[0], sparse=vectors[1], top_k=body.top_k, mode=body.mode, fusion=body.fusion,
+                          weights=weights, filter=body.filter)
+            hits = await run_in_threadpool(ix.search, query, ident)
         return {"object": "list", "index": name, "version": ix.version, "model": state.name_of(engine),
                 "mode": body.mode, "data": [h.to_dict() for h in hits]}
 
