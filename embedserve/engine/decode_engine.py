@@ -7,6 +7,7 @@ layer only calls `add` / `abort` and receives `GenerationEvent`s through a callb
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -47,33 +48,68 @@ class GenerationEvent:
 
 
 class _Detok:
-    """Incremental detokenization with stop strings: text is released only once it cannot
-    become part of a stop string, and never ends in a half UTF-8 character."""
+    """Incremental detokenization with stop strings, as vLLM does it (prefix and read offsets).
+
+    Each step decodes only a window of the last few tokens, not the whole completion:
+
+        completion ids   [ t0 t1 ... t7 | t8 t9 | t10 t11 ]   + new id
+                           text out       context  unread
+                                          `--- window (decoded) ---'
+
+    The context tokens (prefix offset) make the window decode as it would inside the whole text
+    (a SentencePiece word start, say); the unread ones (from the read offset) came since the
+    text last ended on a whole character. Once it does again, the unread tokens become the next
+    context. The work per token is bounded by the window: a few tokens for a character split
+    over byte tokens, more only while every step ends in an invalid UTF-8 sequence.
+
+    Text is released once complete: a trailing U+FFFD (a character still split over tokens) is
+    held back, and dropped if the answer ends there; the released text is otherwise
+    `decode(all ids, skip_special_tokens=True)`. It is also held back while it could become part
+    of a stop string (the last `len(longest stop) - 1` characters).
+    """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.tok, self.stop = tokenizer, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.emitted = 0
-        self.text = ""
+        self.skip = _skipped_ids(tokenizer)
+        self.window: list[int] = []     # context tokens, then unread ones
+        self.read = 0                   # window[:read] is the context
+        self.out = 0                    # characters of decode(window) already decoded out
+        self.pending = ""               # decoded, not yet released (could start a stop string)
 
-    def update(self, completion_ids: list[int], final: bool) -> tuple[str, bool]:
-        """Returns (new text to release, hit_stop)."""
-        text = self.tok.decode(completion_ids, skip_special_tokens=True)
+    def update(self, new_ids, final: bool) -> tuple[str, bool]:
+        """Take this step's new token ids (none for an EOS that ends the answer); returns (new text
+        to release, hit_stop). `final`: the answer ends here, release what is held."""
+        new = [t for t in new_ids if t not in self.skip]
+        if new:
+            self.window += new
+            text = self.tok.decode(self.window, skip_special_tokens=True)
+            end = len(text.rstrip("\ufffd"))
+            if end > self.out:
+                self.pending += text[self.out:end]
+                self.out = end
+            if end == len(text):                # a whole character ends the window: move it on
+                self.window = self.window[self.read:]
+                self.read = len(self.window)
+                self.out = len(self.tok.decode(self.window, skip_special_tokens=True))
         for s in self.stop:
-            k = text.find(s)
+            k = self.pending.find(s)
             if k != -1:
-                self.text = text[:k]
-                return self._release(len(self.text)), True
-        self.text = text
-        end = len(text) if final else max(self.emitted, len(text) - self.hold)
-        if not final and text.endswith("\ufffd"):
-            end = min(end, len(text) - 1)
-        return self._release(end), False
+                out, self.pending = self.pending[:k], ""
+                return out, True
+        cut = len(self.pending) if final else max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
 
-    def _release(self, end: int) -> str:
-        out = self.text[self.emitted:end]
-        self.emitted = max(self.emitted, end)
-        return out
+
+@functools.lru_cache(maxsize=8)
+def _skipped_ids(tokenizer) -> frozenset[int]:
+    """The ids that `decode(..., skip_special_tokens=True)` drops: left out of the window before
+    decoding (the same text), so a run of them (EOS under ignore_eos) does not widen it. Found by
+    asking the tokenizer about each of its special and added tokens."""
+    ids = set(getattr(tokenizer, "all_special_ids", ())) | set(getattr(tokenizer, "added_tokens_decoder", {}) or ())
+    return frozenset(i for i in ids
+                     if tokenizer.decode([i], skip_special_tokens=True) == "" and tokenizer.decode([i]) != "")
 
 
 class DecodeEngine(EngineThread):
@@ -246,10 +282,10 @@ class DecodeEngine(EngineThread):
             reason = None
             if tok in self.eos and not p.ignore_eos:
                 reason = "stop"
-            elif len(seq.completion_ids) >= p.max_tokens:
+            elif seq.num_completion_tokens >= p.max_tokens:
                 reason = "length"
-            ids = seq.completion_ids if reason != "stop" or tok not in self.eos else seq.completion_ids[:-1]
-            text, hit = self._detok[seq.seq_id].update(ids, final=reason is not None)
+            new = () if reason == "stop" and tok in self.eos else (tok,)       # the EOS is no text
+            text, hit = self._detok[seq.seq_id].update(new, final=reason is not None)
             if hit:
                 reason = "stop"
             if reason:

@@ -126,5 +126,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_completion_tokens(self) -> int:
+        """len(completion_ids) without copying them."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
