@@ -9,8 +9,9 @@ When a running sequence cannot get a block, the newest running sequence is preem
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -33,14 +34,52 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+class SeqQueue:
+    """Sequences in order, with O(1) append and pop at either end and O(1) removal from the
+    middle (a finished or aborted sequence): an ordered dict used as an ordered set."""
+
+    __slots__ = ("_seqs",)
+
+    def __init__(self):
+        self._seqs: OrderedDict[Sequence, None] = OrderedDict()
+
+    def append(self, seq: Sequence) -> None:
+        self._seqs[seq] = None
+
+    def appendleft(self, seq: Sequence) -> None:
+        self._seqs[seq] = None
+        self._seqs.move_to_end(seq, last=False)
+
+    def pop(self) -> Sequence:
+        return self._seqs.popitem(last=True)[0]
+
+    def popleft(self) -> Sequence:
+        return self._seqs.popitem(last=False)[0]
+
+    def first(self) -> Sequence:
+        return next(iter(self._seqs))
+
+    def remove(self, seq: Sequence) -> None:
+        del self._seqs[seq]
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self._seqs
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._seqs)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+
 class Scheduler:
     """Waiting and running queues over a BlockManager."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.bm = block_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting = SeqQueue()
+        self.running = SeqQueue()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -53,9 +92,12 @@ class Scheduler:
         cfg, bm = self.config, self.bm
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
+        # preemption pops from the tail of `running`, which is the tail of this snapshot: the
+        # first `end` entries are the ones still running
+        order, end = list(self.running), len(self.running)
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < end and budget > 0:
+            seq = order[i]
             n = seq.num_tokens - seq.num_computed_tokens
             if n > budget:
                 if not cfg.enable_chunked_prefill:
@@ -64,6 +106,8 @@ class Scheduler:
                 n = budget
             while not bm.can_append(seq, n):
                 victim = self.running.pop()
+                end -= 1
+                assert victim is order[end]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -74,7 +118,7 @@ class Scheduler:
                 budget -= n
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+            seq = self.waiting.first()
             if not bm.can_allocate(seq):
                 break
             bm.allocate(seq)
