@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.embedserve-installed
 SERVE_ARGS ?=
 
-.PHONY: serve test bench bench-peers install clean
+.PHONY: serve test test-fast bench bench-peers install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# the inner loop: every test that needs neither a model nor a server (a minute or two)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not model and not server and not slow"
+
 # The peers of `make bench`, each in its own venv, built once (never part of `make test`).
 PEERS := .bench-peers
 $(PEERS)/infinity/.ok:
@@ -42,7 +46,7 @@ $(PEERS)/vllm/.ok:
 	touch $@
 bench-peers: $(PEERS)/infinity/.ok $(PEERS)/vllm/.ok
 
-# embedserve vs infinity-emb, sentence-transformers, vLLM (CPU) and HF generate: ~25 min on 2 cores;
+# embedserve vs infinity-emb, sentence-transformers, vLLM (CPU) and HF generate: ~55 min on 2 AVX2 cores;
 # writes embedserve/bench/results/compare.{json,md} and the tables in BENCHMARKS.md
 bench: $(STAMP) bench-peers
 	$(BIN)/python -m embedserve.bench.compare

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,32 +26,19 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import free_port, spawn_server  # noqa: E402
 
 
 def start(index_dir: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port),
-                             "--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--index-dir", str(index_dir),
-                             "--kv-cache-memory", "100000000", "--max-model-len", "1024", "--log-level", "warning"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} at start-up")
-        try:
-            if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the server never became ready")
+    """The server on `port` (the same port after every restart), once ready."""
+    try:
+        return spawn_server("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--index-dir", str(index_dir),
+                            "--kv-cache-memory", "100000000", "--max-model-len", "1024", "--log-level", "warning",
+                            port=port, cwd=ROOT).proc
+    except RuntimeError as exc:
+        raise SystemExit(f"the server did not start: {str(exc)[-2000:]}") from None
 
 
 class Load:
@@ -153,7 +139,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("EMBEDSERVE_THREADS", "2")
     rng = random.Random(args.seed)
     index_dir = Path(tempfile.mkdtemp(prefix="soak-"))
-    port = _port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     acked: dict[str, str] = {}
     proc = start(index_dir, port)

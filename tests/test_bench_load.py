@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from conftest import _free_port
+from helpers import free_port
 from embedserve.bench import load
 from embedserve.cli import main as cli_main
 
@@ -173,7 +173,7 @@ def stub():
     s = Stub()
     app = Starlette(routes=[Route("/v1/embeddings", s.embeddings, methods=["POST"]),
                             Route("/v1/completions", s.completions, methods=["POST"])])
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -297,7 +297,7 @@ def test_a_bad_flag_is_one_line_and_exit_2(stub, flags, says, capsys):
 
 
 def test_an_unreachable_server_is_one_line_and_exit_2(capsys):
-    rc = cli_main(["bench", "generate", "--base-url", f"http://127.0.0.1:{_free_port()}", "--model", "m"])
+    rc = cli_main(["bench", "generate", "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "cannot reach" in err[0]
 

@@ -11,7 +11,7 @@ import pytest
 
 from embedserve.models.scoring import colbert_score, lexical_score
 
-from conftest import BGE_M3_DIR
+from helpers import BGE_M3_DIR
 
 REF = json.loads((BGE_M3_DIR / "flagembedding_reference.json").read_text())
 # fp32 on both sides, different kernels and summation orders: differences of ~1e-6 are

@@ -1,12 +1,13 @@
 """The command line as a user runs it: plan without loading, refusals with the reason."""
 
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
+import pytest
+
+from helpers import spawn_server
 
 
 def _run(*args, env=None):
@@ -14,6 +15,7 @@ def _run(*args, env=None):
                           timeout=300, env=env)
 
 
+@pytest.mark.model
 def test_plan_prints_embed_and_kv_plans():
     r = _run("plan", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory", "100000000")
     assert r.returncode == 0, r.stderr
@@ -23,6 +25,8 @@ def test_plan_prints_embed_and_kv_plans():
     assert "Maximum concurrency for 2048 tokens per request: 1.05x" in r.stdout
 
 
+@pytest.mark.model
+@pytest.mark.server
 def test_impossible_settings_are_refused_with_the_flag_to_change():
     r = _run("plan", "--model", "all-MiniLM-L6-v2", "--generate-model", "none", "--max-batch-tokens", "128")
     assert r.returncode == 2 and "--max-batch-tokens" in r.stderr and "512" in r.stderr
@@ -32,8 +36,8 @@ def test_impossible_settings_are_refused_with_the_flag_to_change():
     assert r.returncode == 2 and "compute capability" in r.stderr
     r = _run("plan", "--kv-cache-memory", "1000")
     assert r.returncode == 2 and "--kv-cache-memory" in r.stderr
-    r = _run("serve", "--model", "/nonexistent/model")
-    assert r.returncode == 2 and "neither a bundled model" in r.stderr
+    srv = spawn_server("--model", "/nonexistent/model", ready=False)
+    assert srv.proc.wait(120) == 2 and "neither a bundled model" in srv.output()
 
 
 def test_bench_help_belongs_to_the_benchmark():
@@ -50,6 +54,7 @@ def test_bench_help_belongs_to_the_benchmark():
         assert r.returncode == 2 and "choose `embed`" in r.stderr and "compare" in r.stderr
 
 
+@pytest.mark.server
 def test_plan_names_the_dtype_serve_loads(tmp_path, minilm_dir, monkeypatch):
     """Before the probe has run, plan says so; once its outcome is cached, plan and a real
     server agree on the precision (read back from /v1/models)."""
@@ -68,34 +73,12 @@ def test_plan_names_the_dtype_serve_loads(tmp_path, minilm_dir, monkeypatch):
         tokens_per_s={"float32": 1000.0, "bfloat16": 3000.0, "int8": 3100.0}))
     r = _run("plan", *args, env=env)
     assert r.returncode == 0 and "memory plan (bfloat16)" in r.stdout, r.stdout + r.stderr
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", *args, "--port", str(port),
-                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    models = []
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).json()["data"]
-                if models:
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.3)
-        assert proc.poll() is None, proc.stdout.read()
+    with spawn_server(*args, "--log-level", "warning", timeout=120) as srv:
+        models = httpx.get(f"{srv.base}/v1/models", timeout=10).json()["data"]
         assert models and models[0]["dtype"] == "bfloat16", models
-    finally:
-        proc.terminate()
-        proc.wait(15)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.model
 def test_environment_fallbacks_yield_to_flags_and_bad_values_name_the_variable():
     """EMBEDSERVE_<NAME> sets a default, the flag overrides it; a value that does not convert is
     refused at start-up naming the variable (never a traceback, never a silent default)."""
@@ -124,6 +107,7 @@ def test_boolean_environment_values(monkeypatch):
     assert build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).enable_prefix_caching is False
 
 
+@pytest.mark.model
 def test_generate_model_none_as_a_flag_plans_no_decoder():
     r = _run("plan", "--dtype", "float32", "--generate-model", "none")
     assert r.returncode == 0, r.stderr

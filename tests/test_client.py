@@ -18,7 +18,7 @@ from embedserve.client import sync as client_sync
 from index.manifest import DenseConfig, ModelIdentity
 from index.store import IndexStore
 
-from conftest import TEXTS_EN_ZH_FR
+from helpers import TEXTS_EN_ZH_FR
 
 pytestmark = pytest.mark.slow
 

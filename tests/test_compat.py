@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import TEXTS_EN_ZH_FR
+from helpers import TEXTS_EN_ZH_FR
 
 pytestmark = pytest.mark.slow
 EMBED, CHAT = "multilingual-e5-small", "SmolLM2-135M-Instruct"

@@ -126,12 +126,14 @@ def test_plan_prints_the_compute_paths(capsys, tmp_path, monkeypatch):
     for f in config_fields():
         monkeypatch.delenv("EMBEDSERVE_" + f.name.upper(), raising=False)
     monkeypatch.setenv("EMBEDSERVE_PACKED_LINEAR", "0")               # the env fallback of a switch
+    before = compute.current()
     try:
         assert cli.main(["plan", *BASE, "--index-dir", str(tmp_path), "--int8-kernel", "fbgemm"]) == 0
         out = capsys.readouterr().out
         assert "compute paths: " in out and "int8_kernel = fbgemm" in out and "packed_linear = False" in out, out
+        assert compute.current().packed_linear is False                # set for the process, as serve does
     finally:
-        compute.configure(compute.ComputePaths.from_env())
+        compute.configure(before)
 
 
 def test_the_tree_has_one_section_per_subsystem_and_unique_flags():

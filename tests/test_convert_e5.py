@@ -551,6 +551,7 @@ def _tmp_entries(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith(".tmp-"))
 
 
+@pytest.mark.model
 def test_interrupted_conversion_leaves_no_model_and_rerun_succeeds(tmp_path, monkeypatch,
                                                                     converted):
     out = tmp_path / "models" / "me5"

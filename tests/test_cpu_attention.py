@@ -316,6 +316,7 @@ def _prefill_then_decode(model, dtype):
     return outs, kv
 
 
+@pytest.mark.model
 @pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decoder_with_the_glue_kernels_equals_its_torch_path(monkeypatch, dtype):
@@ -371,6 +372,7 @@ def test_gemv_takes_only_a_few_float32_rows_against_a_contiguous_weight():
     assert not cpu_attention.gemv_supports(torch.randn(4, 23), w)                     # K differs
 
 
+@pytest.mark.model
 @pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
 def test_the_decoder_with_gemv_equals_its_packed_matmul_path(monkeypatch):
     """SmolLM2 in fp32: its decode steps (2 rows) take `gemv` on the row-major weights, the 50-row

@@ -9,7 +9,7 @@ from transformers import AutoModel, AutoTokenizer
 from embedserve.models import embedding_model as em
 from embedserve.models.encoder import AttentionPlan
 
-from conftest import TEXTS_EN_ZH_FR
+from helpers import TEXTS_EN_ZH_FR
 
 
 def _hf_embed(path, texts, pooling):
@@ -26,6 +26,7 @@ def _hf_embed(path, texts, pooling):
     return torch.nn.functional.normalize(pooled, dim=-1).numpy(), b["input_ids"], b["attention_mask"]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("which", ["e5", "minilm"])
 def test_equal_to_transformers(which, request):
     model = request.getfixturevalue(f"{which}_model")
@@ -39,6 +40,7 @@ def test_equal_to_transformers(which, request):
     assert cos.min() >= 0.99999, cos
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("which", ["e5", "minilm"])
 def test_same_embedding_alone_and_in_mixed_batch(which, request):
     model = request.getfixturevalue(f"{which}_model")

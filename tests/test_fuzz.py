@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
-from conftest import _free_port, make_decode_engine
+from helpers import free_port, make_decode_engine
 from embedserve.config import ServerConfig
 from embedserve.engine.generator import Generator
 from embedserve.serve import build_app
@@ -29,7 +29,7 @@ def fuzz_server(smollm2, minilm_model, tmp_path_factory):
     gen = Generator(name="SmolLM2-135M-Instruct", engine=eng, tokenizer=smollm2[1])
     cfg = ServerConfig.of(model="all-MiniLM-L6-v2", index_dir=str(tmp_path_factory.mktemp("fuzz-indexes")),
                        max_client_batch_size=64)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(cfg, model=minilm_model, generator=gen), host="127.0.0.1",
                                            port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -12,7 +12,7 @@ from embedserve.engine.generator import Generator
 from embedserve.config import ServerConfig
 from embedserve.engine.sequence import SamplingParams
 
-from conftest import make_decode_engine
+from helpers import make_decode_engine
 
 GEN = "SmolLM2-135M-Instruct"
 

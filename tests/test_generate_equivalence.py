@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from embedserve.engine.sequence import SamplingParams
 
-from conftest import make_decode_engine
+from helpers import make_decode_engine
 
 NEW_TOKENS = 64
 TIE = 1e-3

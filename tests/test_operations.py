@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +18,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import BGE_M3_DIR, _free_port, wait_ready
+from helpers import BGE_M3_DIR, spawn_server, stop_process
 from embedserve.config import ServerConfig
 from embedserve.serve import build_app
 
@@ -81,7 +78,7 @@ def test_a_stalled_or_dead_engine_turns_health_to_503_with_the_cause(minilm_mode
 def test_a_stalled_or_dead_generation_engine_turns_health_to_503_with_the_cause(smollm2, minilm_model, caplog):
     """The same for the decoder's thread, with the real SmolLM2: a step held past --stall-timeout,
     then the loop itself failing; the request it held gets a 503, not a hang."""
-    from conftest import make_decode_engine
+    from helpers import make_decode_engine
     from embedserve.engine.generator import Generator
 
     eng = make_decode_engine(smollm2, num_blocks=64, max_model_len=256, max_num_seqs=4)
@@ -121,32 +118,21 @@ def test_a_stalled_or_dead_generation_engine_turns_health_to_503_with_the_cause(
 
 
 # ----------------------------------------------------------------------------- servers
-def _serve(*args, env=None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port), *args],
-                            env=dict(os.environ, EMBEDSERVE_THREADS="2", **(env or {})),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    wait_ready(proc, base, 240, lambda: proc.stdout.read() if proc.poll() is not None else "", interval=0.2)
-    return proc, base
+def _serve(*args, env=None):
+    return spawn_server(*args, env=env, timeout=240)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+_stop = stop_process
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """`embedserve serve --model tests/fixtures/tiny-bge-m3` (128 positions), its limits from
     EMBEDSERVE_* variables and no decoder from EMBEDSERVE_GENERATE_MODEL=none."""
-    proc, base = _serve("--model", str(BGE_M3_DIR), "--dtype", "float32", "--log-level", "warning",
+    srv = _serve("--model", str(BGE_M3_DIR), "--dtype", "float32", "--log-level", "warning",
                         env={"EMBEDSERVE_GENERATE_MODEL": "none", "EMBEDSERVE_MAX_CLIENT_BATCH_SIZE": "16",
                              "EMBEDSERVE_MAX_BATCH_TOKENS": "128", "EMBEDSERVE_MAX_QUEUED_TOKENS": "512"})
+    proc, base = srv.proc, srv.base
     yield base
     _stop(proc)
 
@@ -243,12 +229,14 @@ def test_hnsw_index_and_rrf_fusion_through_the_api_and_live_counts(server):
 
 
 # ----------------------------------------------------------------------------- graceful stop
+@pytest.mark.server
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path):
     from index.store import IndexStore
     from index.verify import verify_index
 
-    proc, base = _serve("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--index-dir", str(tmp_path),
+    srv = _serve("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--index-dir", str(tmp_path),
                         "--kv-cache-memory", "100000000", "--max-model-len", "1024", "--shutdown-timeout", "60")
+    proc, base = srv.proc, srv.base
     try:
         assert httpx.post(base + "/v1/indexes", json={"name": "kb"}).status_code == 201
         first = [{"id": f"d{i}", "text": f"Document number {i} about rivers and mountains."} for i in range(50)]
@@ -296,7 +284,7 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path
         usage = json.loads(streamed["chunks"][-2])["usage"]
         assert usage["completion_tokens"] == 120                   # finished whole, not cut
         assert proc.wait(60) == 0
-        out = proc.stdout.read()
+        out = srv.output()
         assert "draining" in out and "Traceback" not in out, out[-3000:]
     finally:
         _stop(proc)
@@ -307,11 +295,13 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path
         assert report.ok, report
 
 
+@pytest.mark.server
 def test_shutdown_timeout_cuts_off_what_still_runs_and_exits_0():
     """--shutdown-timeout 1 with a generation of ~20 s in flight: the server gives up on it after
     the timeout (logged), the stream ends without [DONE], and the process still exits 0 quickly."""
-    proc, base = _serve("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--kv-cache-memory", "100000000",
+    srv = _serve("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--kv-cache-memory", "100000000",
                         "--max-model-len", "2048", "--shutdown-timeout", "1")
+    proc, base = srv.proc, srv.base
     try:
         streamed, started = {"chunks": []}, threading.Event()
 
@@ -334,7 +324,7 @@ def test_shutdown_timeout_cuts_off_what_still_runs_and_exits_0():
         assert time.monotonic() - t0 < 15                  # 1 s of drain + uvicorn's 5 s for connections
         t.join(60)
         assert "[DONE]" not in streamed["chunks"] and len(streamed["chunks"]) < 1500
-        out = proc.stdout.read()
+        out = srv.output()
         assert "--shutdown-timeout reached: 1 requests still in flight are cut off" in out, out[-3000:]
     finally:
         _stop(proc)
@@ -437,15 +427,17 @@ class _PeakRss:
         self._thread.join()
 
 
+@pytest.mark.server
 def test_overload_gives_only_200_or_429_and_admits_whole_requests():
     """A small queue and 200 clients at once: embeddings and generations are each answered 200 or
     429 (+ Retry-After), nothing else and nothing hangs; admitted requests are embedded whole
     (the model's token counter grows by exactly their usage), their p99 stays bounded, and the
     process stays under a memory bound. KV blocks for a handful of sequences: the rest queue or
     are refused, never a crash."""
-    proc, base = _serve("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--log-level", "warning",
+    srv = _serve("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--log-level", "warning",
                         "--max-queued-tokens", "4096", "--max-concurrent-requests", "32",
                         "--max-num-seqs", "4", "--kv-cache-memory", "40000000", "--max-model-len", "512")
+    proc, base = srv.proc, srv.base
     try:
         text = "Overload test sentence about rivers, mountains and the sea. " * 8
         before = _metrics(base)
@@ -491,14 +483,16 @@ def test_overload_gives_only_200_or_429_and_admits_whole_requests():
         _stop(proc)
 
 
+@pytest.mark.server
 def test_generation_past_its_kv_blocks_preempts_or_refuses_and_never_crashes():
     """12 KV blocks (192 tokens) for 8 running sequences of up to ~80 tokens each: the scheduler
     must preempt and recompute over HTTP. 40 chats at once: each 200 with all its tokens or 429 +
     Retry-After (8 x 4 may be in flight), preemptions counted, every block free afterwards."""
     kv_bytes = 12 * 16 * 46080                   # SmolLM2 fp32: 2 x 30 layers x 3 KV heads x 64 x 4 bytes a token
-    proc, base = _serve("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--log-level", "warning",
+    srv = _serve("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--log-level", "warning",
                         "--max-num-seqs", "8", "--kv-cache-memory", str(kv_bytes), "--max-model-len", "128",
                         "--block-size", "16")
+    proc, base = srv.proc, srv.base
     try:
         before = _metrics(base)
         assert before["embedserve_gen_kv_cache_usage"] == 0.0

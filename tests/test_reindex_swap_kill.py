@@ -22,7 +22,7 @@ from index.ops import upsert_documents
 from index.store import IndexStore
 from migrations import ledger
 from migrations.reindex import FAULT_INJECT_ENV
-from test_reindex import _copy, _run_cli, _wiki_docs
+from helpers import copy_index as _copy, reindex_cli as _run_cli, wiki_docs as _wiki_docs
 
 
 @pytest.fixture(scope="module")

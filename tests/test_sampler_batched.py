@@ -54,6 +54,7 @@ def test_batched_greedy_equals_per_row_argmax():
     (1.0, 0, 0.95, 0.1),         # nearly flat: tens of thousands wide
     (1.5, 0, 0.5, 0.3),
 ])
+@pytest.mark.slow               # many thousand draws over 49,152-wide rows: seconds each
 def test_truncated_sampling_never_leaves_the_nucleus(temperature, top_k, top_p, scale):
     torch.manual_seed(1)
     logits = torch.randn(8, V) * scale
@@ -82,6 +83,7 @@ def test_the_full_sort_runs_only_for_a_nucleus_wider_than_the_candidates(monkeyp
     assert widths == [sampler.CANDIDATES, V], "only the flat row is sorted whole"
 
 
+@pytest.mark.slow               # many thousand draws over 49,152-wide rows: seconds each
 @pytest.mark.parametrize("temperature,top_k,top_p", [
     (1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.7), (0.8, 4, 0.9), (2.0, 0, 0.6)])
 def test_draws_follow_the_reference_distribution(temperature, top_k, top_p):
@@ -103,6 +105,7 @@ def test_draws_follow_the_reference_distribution(temperature, top_k, top_p):
     assert chi2 < 29.9
 
 
+@pytest.mark.slow               # many thousand draws over 49,152-wide rows: seconds each
 def test_seeded_rows_repeat_and_do_not_depend_on_the_batch():
     torch.manual_seed(4)
     steps = [torch.randn(5, V) * 2 for _ in range(10)]

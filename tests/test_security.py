@@ -9,8 +9,6 @@ import argparse
 import asyncio
 import math
 import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +20,7 @@ from embedserve.api.auth import KeyRing, read_key_file
 from embedserve.api.ratelimit import RateLimiter, TokenBucket
 from embedserve.config import ServerConfig, config_fields
 from embedserve.errors import ConfigError
+from helpers import server_env, spawn_server, stop_process
 
 EMBED = "all-MiniLM-L6-v2"
 CHAT = "SmolLM2-135M-Instruct"
@@ -105,14 +104,16 @@ def test_key_file_format_and_refusals_never_show_a_key(tmp_path):
         KeyRing(ServerConfig.of(model=EMBED, api_key_file=str(tmp_path / "missing")))
 
 
+@pytest.mark.server
 def test_serve_refuses_to_start_on_a_key_file_it_cannot_use(tmp_path):
     empty = tmp_path / "keys"
     empty.write_text("# nothing yet\n")
     for path, why in ((tmp_path / "missing", "cannot be read"), (empty, "holds no key")):
-        r = subprocess.run([sys.executable, "-m", "embedserve.cli", "serve", "--model", EMBED, "--generate-model",
-                            "none", "--index-dir", str(tmp_path / "ix"), "--api-key-file", str(path)],
-                           capture_output=True, text=True, timeout=300, env=_env())
-        assert r.returncode == 2 and f"--api-key-file {path}" in r.stderr and why in r.stderr, r.stderr[-2000:]
+        srv = spawn_server("--model", EMBED, "--generate-model", "none", "--index-dir", str(tmp_path / "ix"),
+                           "--api-key-file", str(path), clean_env=True, ready=False)
+        assert srv.proc.wait(300) == 2
+        out = srv.output()
+        assert f"--api-key-file {path}" in out and why in out and "Traceback" not in out, out[-2000:]
 
 
 def test_config_repr_hides_keys_and_rate_flags_are_checked():
@@ -229,31 +230,17 @@ def test_rate_limit_by_client_address_without_keys(tmp_path):
 def _env() -> dict:
     """The environment without any EMBEDSERVE_<FIELD> a developer may have set (the defaults are
     under test), two torch threads."""
-    names = {"EMBEDSERVE_" + f.name.upper() for f in config_fields()}
-    return {**{k: v for k, v in os.environ.items() if k not in names}, "EMBEDSERVE_THREADS": "2"}
+    return server_env(clean=True)
 
 
 def _start(args: list[str], log: Path):
-    """`embedserve serve ARGS` on a free port, stdout+stderr into `log`; (process, base URL) once ready."""
-    from conftest import _free_port, wait_ready
-
-    port = _free_port()
-    out = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port), *args],
-                            env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
-    out.close()
-    base = f"http://127.0.0.1:{port}"
-    wait_ready(proc, base, 300, log.read_text)
-    return proc, base
+    """`embedserve serve ARGS` on a free port, output into `log`, the developer's EMBEDSERVE_*
+    settings left out (the defaults are under test); (process, base URL) once ready."""
+    srv = spawn_server(*args, log=log, clean_env=True)
+    return srv.proc, srv.base
 
 
-def _stop(proc) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+_stop = stop_process
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from index.errors import StorageFullError
 from index.manifest import MANIFEST, ModelIdentity
 from index.store import IndexStore
 
-from conftest import _free_port, wait_ready
+from helpers import spawn_server, stop_process
 
 DIM = 64
 IDENT = ModelIdentity(model="unit", fingerprint="u" * 64, dimension=DIM, normalize=True, pooling="mean",
@@ -297,6 +297,7 @@ def test_the_status_table_answers_507():
 
 
 # ----------------------------------------------------------------------------- a real server
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_server_on_a_full_volume_answers_507_and_recovers_without_a_restart(tmp_path, monkeypatch):
     """The issue's operator run, on a small volume: upserts until it is full get 200 or 507 (never
@@ -359,27 +360,13 @@ def _ids(vol: Volume, version: str) -> set[str]:
 
 
 def _start(vol: Volume, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    out = open(log, "a")
-    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port),
-                             "--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--log-level", "warning",
-                             "--index-dir", str(vol.root)],
-                            env=dict(os.environ, EMBEDSERVE_THREADS="2", EMBEDSERVE_GENERATE_MODEL="none", **vol.env),
-                            stdout=out, stderr=subprocess.STDOUT, text=True)
-    out.close()
-    base = f"http://127.0.0.1:{port}"
-    wait_ready(proc, base, 120, log.read_text, interval=0.2)
-    return proc, base
+    srv = spawn_server("--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--log-level", "warning",
+                       "--index-dir", str(vol.root), env={"EMBEDSERVE_GENERATE_MODEL": "none", **vol.env},
+                       log=log, timeout=120)
+    return srv.proc, srv.base
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+_stop = stop_process
 
 
 def _upsert(base: str, ids: list[str]) -> httpx.Response:

@@ -7,8 +7,6 @@ memory — and its FAISS index and postings in memory)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,13 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import _free_port, wait_ready
+from helpers import spawn_server, wait_ready
 from embedserve.embedders import ModelEmbedder
 from index.docstore import Document
 from index.ops import upsert_documents
 from index.store import IndexStore
 from migrations.reindex import reindex, rollback
-from test_reindex import _wiki_docs
+from helpers import wiki_docs as _wiki_docs
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +44,7 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.server
 def test_fifty_swaps_under_load_release_every_replaced_version(tmp_path, minilm_model, e5_model):
     root = tmp_path / "ix"
     store = IndexStore(root)
@@ -54,14 +53,11 @@ def test_fifty_swaps_under_load_release_every_replaced_version(tmp_path, minilm_
         upsert_documents(ix, docs, ModelEmbedder(minilm_model))
     e5 = ModelEmbedder(e5_model)
 
-    port, log = _free_port(), tmp_path / "server.log"
-    out = log.open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "embedserve.cli", "serve", "--port", str(port),
-                             "--model", "all-MiniLM-L6-v2", "--model", "multilingual-e5-small", "--dtype", "float32",
-                             "--generate-model", "none", "--index-dir", str(root), "--log-level", "warning"],
-                            env=dict(os.environ, EMBEDSERVE_THREADS="2"), stdout=out,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    srv = spawn_server("--model", "all-MiniLM-L6-v2", "--model", "multilingual-e5-small", "--dtype", "float32",
+                       "--generate-model", "none", "--index-dir", str(root), "--log-level", "warning",
+                       log=log, ready=False)
+    proc, base = srv.proc, srv.base
     statuses: list[int] = []
     versions: set[str] = set()
     stop, running = threading.Event(), threading.Event()
@@ -91,7 +87,7 @@ def test_fifty_swaps_under_load_release_every_replaced_version(tmp_path, minilm_
 
     threads = [threading.Thread(target=search, args=(k,)) for k in range(4)]
     try:
-        wait_ready(proc, base, 240, log.read_text)
+        wait_ready(proc, base, 240, srv.output)
         for t in threads:
             t.start()
         running.set()
@@ -113,12 +109,7 @@ def test_fifty_swaps_under_load_release_every_replaced_version(tmp_path, minilm_
         running.set()
         for t in threads:
             t.join(60)
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        out.close()
+        srv.stop()
     print(f"\n{2 * CYCLES} swaps in {elapsed:.1f} s, {len(statuses)} searches; "
           f"fds {fd0} -> {fd1}, RSS {rss0:.1f} -> {rss1:.1f} MB; per cycle (fds, RSS MB): {trace}")
     assert statuses and set(statuses) == {200}, (sorted(set(statuses)), log.read_text()[-3000:])
