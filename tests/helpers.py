@@ -202,3 +202,28 @@ def reindex_cli(root: Path, *extra: str) -> subprocess.Popen:
                              "--to-model", "multilingual-e5-small", "--dtype", "float32", "--index-dir", str(root),
                              "--batch-docs", "20", "--sample", "200", *extra],
                             env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def unit_identity(dim: int):
+    """The model identity of the index-level unit tests (no real model behind it)."""
+    from index.manifest import ModelIdentity
+    return ModelIdentity(model="unit", fingerprint="u" * 64, dimension=dim, normalize=True, pooling="mean",
+                         query_prefix="", passage_prefix="", has_sparse=True)
+
+
+def unit_vector(seed: int, dim: int):
+    """A random vector of length 1, the same for the same seed."""
+    import numpy as np
+    v = np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def build_wiki_index(root: Path, model, n: int) -> Path:
+    """Index `wiki` under `root` with the first `n` Wikipedia documents embedded by `model`."""
+    from embedserve.embedders import ModelEmbedder
+    from index.ops import upsert_documents
+    from index.store import IndexStore
+    emb = ModelEmbedder(model)
+    with IndexStore(root).create("wiki", emb.identity) as ix:
+        upsert_documents(ix, wiki_docs(n), emb)
+    return root

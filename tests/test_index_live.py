@@ -4,7 +4,6 @@ live version stays open; a deleted index closes the same way."""
 
 from __future__ import annotations
 
-import gc
 import sqlite3
 import threading
 import weakref
@@ -14,18 +13,17 @@ import pytest
 
 from index.docstore import Document
 from index.live import LiveIndexes
-from index.manifest import ModelIdentity
 from index.search import Query
 from index.store import IndexStore
 
+from helpers import unit_identity, unit_vector
+
 DIM = 8
-IDENT = ModelIdentity(model="unit", fingerprint="u" * 64, dimension=DIM, normalize=True, pooling="mean",
-                      query_prefix="", passage_prefix="", has_sparse=True)
+IDENT = unit_identity(DIM)
 
 
 def _vec(seed: int) -> np.ndarray:
-    v = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
-    return v / np.linalg.norm(v)
+    return unit_vector(seed, DIM)
 
 
 def _terms(seed: int):

@@ -22,14 +22,14 @@ from index.sparse import B, K1, SparseIndex
 from index.store import IndexStore
 from index.verify import verify_index
 
+from helpers import unit_identity, unit_vector
+
 DIM = 16
-IDENT = ModelIdentity(model="unit", fingerprint="u" * 64, dimension=DIM, normalize=True, pooling="mean",
-                      query_prefix="", passage_prefix="", has_sparse=True)
+IDENT = unit_identity(DIM)
 
 
 def vec(seed: int) -> np.ndarray:
-    v = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
-    return v / np.linalg.norm(v)
+    return unit_vector(seed, DIM)
 
 
 def terms(seed: int):

@@ -26,7 +26,7 @@ from migrations.lock import migration_lock
 from migrations.ray_engine import RayEngine, shards
 from migrations.reindex import CHECKPOINT, reindex, rollback, writes_since_swap
 
-from helpers import copy_index, reindex_cli, wiki_docs
+from helpers import build_wiki_index, copy_index, reindex_cli, wiki_docs
 
 N_DOCS = 520
 
@@ -287,11 +287,7 @@ def test_swap_under_load_every_answer_from_one_model_version_pair(tmp_path, e5_m
 @pytest.fixture(scope="module")
 def small(tmp_path_factory, minilm_model):
     """A MiniLM index of 40 of the documents, for the checks that need no full corpus."""
-    root = tmp_path_factory.mktemp("small")
-    emb = ModelEmbedder(minilm_model)
-    with IndexStore(root).create("wiki", emb.identity) as ix:
-        upsert_documents(ix, _wiki_docs(40), emb)
-    return root
+    return build_wiki_index(tmp_path_factory.mktemp("small"), minilm_model, 40)
 
 
 class _Zero(_Random):

@@ -22,17 +22,13 @@ from index.ops import upsert_documents
 from index.store import IndexStore
 from migrations import ledger
 from migrations.reindex import FAULT_INJECT_ENV
-from helpers import copy_index as _copy, reindex_cli as _run_cli, wiki_docs as _wiki_docs
+from helpers import build_wiki_index, copy_index as _copy, reindex_cli as _run_cli
 
 
 @pytest.fixture(scope="module")
 def small40(tmp_path_factory, minilm_model):
     """A MiniLM index of 40 documents (copied per test)."""
-    root = tmp_path_factory.mktemp("small40")
-    emb = ModelEmbedder(minilm_model)
-    with IndexStore(root).create("wiki", emb.identity) as ix:
-        upsert_documents(ix, _wiki_docs(40), emb)
-    return root
+    return build_wiki_index(tmp_path_factory.mktemp("small40"), minilm_model, 40)
 
 
 def _reindex(root: Path, fault: str | None = None) -> subprocess.CompletedProcess:
