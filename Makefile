@@ -47,9 +47,9 @@ $(PEERS)/vllm/.ok:
 bench-peers: $(PEERS)/infinity/.ok $(PEERS)/vllm/.ok
 
 # embedserve vs infinity-emb, sentence-transformers, vLLM (CPU) and HF generate: ~55 min on 2 AVX2 cores;
-# writes embedserve/bench/results/compare.{json,md} and the tables in BENCHMARKS.md
+# writes embedserve/studies/results/compare.{json,md} and the tables in BENCHMARKS.md
 bench: $(STAMP) bench-peers
-	$(BIN)/python -m embedserve.bench.compare
+	$(BIN)/python -m embedserve.studies.compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -43,7 +43,7 @@ DECODER_DTYPES = ("float32", "bfloat16")
 # texts. bf16 keeps ~3 significant digits, so 0.999 holds for any sane model; int8 must stay
 # within 0.99 (and the index retrieval test checks its recall@10 on a real set).
 GATES = {"bfloat16": 0.999, "int8": 0.99}
-# Measured with embedserve.bench.decode_bench on a 2-core EPYC with AVX512-BF16 (BENCHMARKS.md):
+# Measured with embedserve.studies.decode_bench on a 2-core EPYC with AVX512-BF16 (BENCHMARKS.md):
 # bf16 decoding ran 1.25x fp32 at 16 concurrent sequences and 2.1x alone (--precision run).
 DECODER_BF16_FASTER_ON_CPU = True
 

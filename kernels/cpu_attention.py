@@ -7,7 +7,7 @@ decoder's linears for steps of a few sequences, reading the row-major weights at
 
 Why: the torch path gathers each sequence's K/V blocks into a copy and runs SDPA, whose CPU
 kernel spends most of a one-token query on setup. Profile of one 16-sequence SmolLM2 decode
-step in bf16 (`python -m embedserve.bench.profile decode`): SDPA 5.4 ms + gather 2.0 ms of
+step in bf16 (`python -m embedserve.studies.profile decode`): SDPA 5.4 ms + gather 2.0 ms of
 20.9 ms. The kernel reads K/V in place through the block table, loads each K/V row once for
 the query heads that share it, and accumulates in float32. For the encoder, SDPA over padded
 length groups ran its small-head (d = 32) problems at ~40 GFLOP/s, 26-29 % of the forward; the
@@ -202,7 +202,7 @@ def varlen_supports(qkv: torch.Tensor, num_heads: int) -> bool:
 def varlen_preferred() -> bool:
     """Whether the encoder takes the varlen kernel over SDPA: yes, on both kinds of CPU (in
     vectors of the machine's width it is ahead of per-sequence SDPA on 2-core EPYCs with AVX-512
-    and with AVX2 only, `python -m embedserve.bench.cpu_paths`; before it was written that way,
+    and with AVX2 only, `python -m embedserve.studies.cpu_paths`; before it was written that way,
     GCC's lowering of 16-float vectors on AVX2 made it 8x slower there).
     `cpu_attention=sdpa` keeps SDPA for the encoder (the decode kernel stays)."""
     return compute.current().cpu_attention in ("auto", "c")

@@ -1,9 +1,9 @@
-"""The report of `make bench` (embedserve.bench.compare): ratios, a missing peer said as such,
+"""The report of `make bench` (embedserve.studies.compare): ratios, a missing peer said as such,
 and the tables written between BENCHMARKS.md's markers — on a small result of known numbers."""
 
 from __future__ import annotations
 
-from embedserve.bench import compare
+from embedserve.studies import compare
 
 
 def _served(texts_per_s: float) -> dict:

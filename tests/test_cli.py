@@ -41,17 +41,19 @@ def test_impossible_settings_are_refused_with_the_flag_to_change():
 
 
 def test_bench_help_belongs_to_the_benchmark():
-    """`bench --help` lists the three benchmarks; each one's --help is its own flags (argparse's,
-    not the top-level parser's); `bench` alone or an unknown name is refused with the list."""
+    """`bench --help` lists the two load generators and says where `make bench`'s study is; each
+    one's --help is its own flags (argparse's, not the top-level parser's); `bench` alone, an
+    unknown name or the study's old name (`compare`) is refused with the list."""
     r = _run("bench", "--help")
-    assert r.returncode == 0 and all(w in r.stdout for w in ("embed", "generate", "compare"))
+    assert r.returncode == 0 and all(w in r.stdout for w in ("embed", "generate", "embedserve.studies.compare"))
     r = _run("bench", "embed", "--help")
     assert r.returncode == 0 and "--request-rate" in r.stdout and "--max-concurrency" in r.stdout
-    r = _run("bench", "compare", "--help")
+    r = subprocess.run([sys.executable, "-m", "embedserve.studies.compare", "--help"], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0 and "infinity" in r.stdout
-    for argv in (("bench",), ("bench", "serve")):
+    for argv in (("bench",), ("bench", "serve"), ("bench", "compare")):
         r = _run(*argv)
-        assert r.returncode == 2 and "choose `embed`" in r.stderr and "compare" in r.stderr
+        assert r.returncode == 2 and "choose `embed`" in r.stderr and "make bench" in r.stderr
 
 
 @pytest.mark.server

@@ -165,7 +165,7 @@ def test_encoder_with_the_kernel_equals_the_padded_sdpa_path(monkeypatch, minilm
 
 
 def test_the_encoder_takes_the_varlen_kernel_on_both_kinds_of_cpu_unless_told(monkeypatch):
-    """Measured (`python -m embedserve.bench.cpu_paths`): in vectors of the machine's width the
+    """Measured (`python -m embedserve.studies.cpu_paths`): in vectors of the machine's width the
     kernel is ahead of per-sequence SDPA with AVX-512 and with AVX2 only; `cpu_attention=sdpa`
     keeps SDPA for the encoder (the decode kernel stays), `c` is the default spelled out."""
     for flags in ("flags\t: fma avx avx2", "flags\t: avx2 avx512f avx512_bf16"):

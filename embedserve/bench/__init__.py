@@ -1,1 +1,2 @@
-"""Benchmarks (load generators and side-by-side peer runs)."""
+"""The load generator `embedserve bench embed|generate` (the benchmark studies that drive it are
+in embedserve.studies)."""

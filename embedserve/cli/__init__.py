@@ -26,8 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmds.register(sub)
     # dispatched in main() before parsing; listed here for the help text
     sub.add_parser("bench", help="`bench embed|generate`: load generator for any OpenAI-compatible server "
-                   "(`embedserve bench embed --help`); `bench compare`: the side-by-side run of `make bench` "
-                   "(`embedserve bench compare --help`)", add_help=False)
+                   "(`embedserve bench embed --help`)", add_help=False)
     index_cmds.register(sub)
     reindex_cmds.register(sub)
     return p
@@ -40,18 +39,16 @@ def main(argv: list[str] | None = None) -> int:
         if argv[1:2] in (["embed"], ["generate"]):
             from ..bench.load import main as load_main
             return load_main(argv[1:])
-        if argv[1:2] == ["compare"]:
-            from ..bench.compare import main as compare_main
-            return compare_main(argv[2:])
-        usage = ("usage: embedserve bench {embed,generate,compare} ...\n\n"
+        usage = ("usage: embedserve bench {embed,generate} ...\n\n"
                  "  embed      load generator for POST /v1/embeddings on any OpenAI-compatible server\n"
-                 "  generate   load generator for /v1/completions and /v1/chat/completions (streaming)\n"
-                 "  compare    the side-by-side run of `make bench` (embedserve vs infinity-emb, vLLM, HF)\n\n"
-                 "`embedserve bench SUBCOMMAND --help` lists each one's flags.\n")
+                 "  generate   load generator for /v1/completions and /v1/chat/completions (streaming)\n\n"
+                 "`embedserve bench SUBCOMMAND --help` lists each one's flags. The side-by-side run against\n"
+                 "infinity-emb, vLLM and HF is a study beside the product: `make bench`\n"
+                 "(python -m embedserve.studies.compare; BENCHMARKS.md lists the others).\n")
         if argv[1:2] in (["-h"], ["--help"]):
             print(usage, end="")
             return 0
-        print("embedserve bench: choose `embed`, `generate` (a load generator) or `compare` (make bench)\n\n"
+        print("embedserve bench: choose `embed` or `generate` (a load generator)\n\n"
               + usage, file=sys.stderr, end="")
         return 2
     try:

@@ -16,7 +16,7 @@ Two int8 matmuls, by what the CPU has (`EMBEDSERVE_INT8_KERNEL=int_mm|fbgemm` ov
 testing aid):
 * VNNI (AVX512-VNNI, AVX-VNNI or AMX): `torch._int_mm`, 8-bit activations (±127 per token).
 * AVX2 only: there `torch._int_mm` falls back to a plain loop (2-4 GOP/s against 135-171 GFLOP/s
-  for the packed fp32 linear on a 2-core EPYC, `python -m embedserve.bench.cpu_paths`), so
+  for the packed fp32 linear on a 2-core EPYC, `python -m embedserve.studies.cpu_paths`), so
   fbgemm's packed u8 x s8 GEMM runs instead
   (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`, 1.3-1.6x the fp32 linear there).
   Its AVX2 inner step (vpmaddubsw) adds two u8 x s8 products into a saturating int16, so the

@@ -1,5 +1,5 @@
 """`make bench`: embedserve side by side with the servers a user would pick instead, on this
-machine, in one run, written to embedserve/bench/results/compare.{json,md} and BENCHMARKS.md.
+machine, in one run, written to embedserve/studies/results/compare.{json,md} and BENCHMARKS.md.
 
 Every served system is driven by the same load generator (`embedserve bench embed|generate`,
 OpenAI-compatible HTTP only) with the same texts, model directory, precision and concurrency;
@@ -24,7 +24,7 @@ builds them once); a peer that is not installed is reported as such, never estim
               encoder in process and the matmul rate are measured right after our served runs of
               the same precision (this machine's speed moves by 10-15 % within minutes)
 
-    python -m embedserve.bench.compare            # what `make bench` runs (about 55 minutes on 2 AVX2 cores)
+    python -m embedserve.studies.compare            # what `make bench` runs (about 55 minutes on 2 AVX2 cores)
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from . import load
+from embedserve.bench import load
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / ".bench-peers"
-RESULTS = ROOT / "embedserve" / "bench" / "results"
+RESULTS = ROOT / "embedserve" / "studies" / "results"
 GEN_MODEL = "SmolLM2-135M-Instruct"
 EMBED_MODELS = ("all-MiniLM-L6-v2", "multilingual-e5-small")
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",

@@ -1,8 +1,8 @@
 """Where the time of one decode step, or of one embedding batch, goes, by component.
 
-    python -m embedserve.bench.profile decode --batch 16 --out embedserve/bench/results/profile_decode.json
-    python -m embedserve.bench.profile embed --model all-MiniLM-L6-v2 --out embedserve/bench/results/profile_embed.json
-    python -m embedserve.bench.profile served --model all-MiniLM-L6-v2 --out embedserve/bench/results/profile_served.json
+    python -m embedserve.studies.profile decode --batch 16 --out embedserve/studies/results/profile_decode.json
+    python -m embedserve.studies.profile embed --model all-MiniLM-L6-v2 --out embedserve/studies/results/profile_embed.json
+    python -m embedserve.studies.profile served --model all-MiniLM-L6-v2 --out embedserve/studies/results/profile_served.json
 
 `served`: our server under make bench's three embedding workloads (1 text per request at 8 and
 32 clients, 32 per request at 8), the load generator in this process: the server's CPU by
@@ -110,7 +110,7 @@ def decoding_engine(model, tok, batch: int, prompt_len: int, max_tokens: int, wa
     """A DecodeEngine in steady decode: a 4-token warm-up generation, then `batch` greedy
     sequences of `prompt_len`-token prompts (`max_tokens` each, ignore_eos) queued, their prefill
     run and `warm` decode steps taken. What `profile_decode` and `cpu_paths.decoder` time."""
-    from embedserve.bench.decode_bench import _prompts
+    from embedserve.studies.decode_bench import _prompts
     from embedserve.config import DecodeConfig
     from embedserve.engine.decode_engine import DecodeEngine, _Detok
     from embedserve.engine.sequence import SamplingParams, Sequence
@@ -224,7 +224,7 @@ def _ops_by_family(events, label: str, n: int) -> tuple[dict, dict, dict]:
 
 def profile_embed(model_name: str, dtype: str, num_texts: int, repeats: int = 5) -> dict:
     from embedserve.api.embeddings import EmbeddingRequest, _render
-    from embedserve.bench.compare import corpus
+    from embedserve.studies.compare import corpus
     from embedserve.engine.batch_queue import EmbedRequest
     from embedserve.models.embedding_model import EmbeddingModel
     from embedserve.models.encoder import AttentionPlan
@@ -369,7 +369,7 @@ def profile_served(model_name: str, dtype: str) -> dict:
     import subprocess
     import tempfile
 
-    from embedserve.bench import compare
+    from embedserve.studies import compare
     from embedserve.models.embedding_model import EmbeddingModel
     from embedserve.models.registry import resolve_model
     name, path = resolve_model(model_name)
@@ -431,7 +431,7 @@ def render_served(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m embedserve.bench.profile", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m embedserve.studies.profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("decode", "embed", "served"))
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),

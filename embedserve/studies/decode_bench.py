@@ -9,8 +9,8 @@
       tokens with ignore_eos, 16 at once and 1 alone; runs interleaved, median of 3), which
       decides `--dtype auto` for the decoder (embedserve.precision.DECODER_BF16_FASTER_ON_CPU).
 
-    python -m embedserve.bench.decode_bench --out embedserve/bench/results/decode.json
-    python -m embedserve.bench.decode_bench --precision --out embedserve/bench/results/decode_precision.json
+    python -m embedserve.studies.decode_bench --out embedserve/studies/results/decode.json
+    python -m embedserve.studies.decode_bench --precision --out embedserve/studies/results/decode_precision.json
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rag-requests", type=int, default=6)
-    ap.add_argument("--out", default="embedserve/bench/results/decode.json")
+    ap.add_argument("--out", default="embedserve/studies/results/decode.json")
     ap.add_argument("--precision", action="store_true", help="only float32 vs bfloat16 decoding (ours)")
     args = ap.parse_args(argv)
 

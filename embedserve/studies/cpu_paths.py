@@ -9,7 +9,7 @@ replaced by the packed matmul and with its C glue kernels replaced by the torch 
 `kernels.cpu_attention.varlen_preferred`, `cpu_attention.decoder_glue_supports`,
 `GEMV_MAX_ROWS` and the GELU's make by CPU rest on these numbers.
 
-    python -m embedserve.bench.cpu_paths            # ~10 minutes on 2 AVX2 cores; prints a markdown table
+    python -m embedserve.studies.cpu_paths            # ~10 minutes on 2 AVX2 cores; prints a markdown table
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
     sequences, the same KV cache)."""
     from transformers import AutoTokenizer
 
-    from embedserve.bench.profile import decoding_engine
+    from embedserve.studies.profile import decoding_engine
     from embedserve.models import linear
     from embedserve.models.llama import LlamaModel
     from embedserve.models.registry import resolve_generate_model
@@ -176,7 +176,7 @@ def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
 
 def markdown(res: dict) -> str:
     lines = [f"CPU {res['cpu']}, flags {', '.join(res['flags'])}, {res['threads']} threads "
-             f"(`python -m embedserve.bench.cpu_paths`, {res['date']}).", "",
+             f"(`python -m embedserve.studies.cpu_paths`, {res['date']}).", "",
              "| linear (T x K x N) | fp32 packed GFLOP/s | `torch._int_mm` GOP/s | fbgemm int8 linear GFLOP/s |",
              "|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['fp32_packed']:.0f} | {r['int_mm']:.1f} | {r['fbgemm_int8_linear']:.0f} |"

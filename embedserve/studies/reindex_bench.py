@@ -7,7 +7,7 @@ every core, on Ray one actor per core with one thread each. The Ray time include
 local Ray and loading the model in each actor (what `embedserve reindex --engine ray` costs on
 one machine). Run it alone: the cores are what is measured.
 
-    python -m embedserve.bench.reindex_bench --out embedserve/bench/results/reindex.json
+    python -m embedserve.studies.reindex_bench --out embedserve/studies/results/reindex.json
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,auto")
     ap.add_argument("--batch-docs", type=int, default=128)
-    ap.add_argument("--out", default="embedserve/bench/results/reindex.json")
+    ap.add_argument("--out", default="embedserve/studies/results/reindex.json")
     args = ap.parse_args(argv)
 
     import torch
@@ -95,7 +95,7 @@ def main(argv=None) -> None:
                for e in ("in-process", "ray")}
         summary.append({"dtype": dtype, "in_process_docs_per_s": med["in-process"], "ray_docs_per_s": med["ray"],
                         "ray_over_in_process": round(med["ray"] / med["in-process"], 2)})
-    result = {"command": " ".join(["python -m embedserve.bench.reindex_bench", *(sys.argv[1:] if argv is None else argv)]),
+    result = {"command": " ".join(["python -m embedserve.studies.reindex_bench", *(sys.argv[1:] if argv is None else argv)]),
               "date": time.strftime("%Y-%m-%d"), "documents": len(docs), "batch_docs": args.batch_docs,
               "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
