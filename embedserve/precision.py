@@ -77,7 +77,13 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
 
 
 def cpu_flags() -> frozenset[str]:
+    """The first CPU's flags in /proc/cpuinfo (empty where it cannot be read)."""
     return _cpuinfo()[1]
+
+
+def cpu_model() -> str:
+    """The first CPU's model name in /proc/cpuinfo ("" where it cannot be read)."""
+    return _cpuinfo()[0]
 
 
 def machine_key(device: torch.device | str = "cpu") -> str:

@@ -9,7 +9,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from embedserve.engine.decode_engine import _Detok
+from embedserve.engine.decode_engine import Detokenizer
 
 GEN = "SmolLM2-135M-Instruct"
 FFFD = "\ufffd"
@@ -63,7 +63,7 @@ def expected(ids: list[int], stop: tuple[str, ...]) -> tuple[str, bool]:
 def run(ids: list[int], stop: tuple[str, ...], eos_end: bool) -> tuple[str, bool, list[str]]:
     """Feed `ids` one at a time as the engine does (the last with final=True, or an EOS after
     them: final with no new id); returns (the answer, hit a stop string, each step's release)."""
-    d, steps = _Detok(tokenizer(), stop), []
+    d, steps = Detokenizer(tokenizer(), stop), []
     feed = [([i], False) for i in ids] + [((), True)] if eos_end else \
         [([i], k == len(ids) - 1) for k, i in enumerate(ids)]
     for new, final in feed:
@@ -126,7 +126,7 @@ def test_work_per_token_is_a_window_not_the_whole_text(monkeypatch):
         lengths.append(len(ids))
         return real(self, ids, *a, **k)
     ids = tok("量子计算利用叠加和纠缠等量子力学现象。 The quick brown fox 😀. " * 20).input_ids
-    d = _Detok(tok, ("never",))
+    d = Detokenizer(tok, ("never",))
     monkeypatch.setattr(type(tok), "decode", spy)
     out = "".join(d.update([i], False)[0] for i in ids[:-1]) + d.update(ids[-1:], True)[0]
     monkeypatch.undo()
@@ -143,7 +143,7 @@ def test_runs_of_special_tokens_do_not_widen_the_window(monkeypatch):
     lengths = []
     real = type(tok).decode
     monkeypatch.setattr(type(tok), "decode", lambda self, ids, *a, **k: lengths.append(len(ids)) or real(self, ids, *a, **k))
-    d = _Detok(tok, ())
+    d = Detokenizer(tok, ())
     out = [d.update([i], False)[0] for i in hi + good[:1] + [eos] * 300 + good[1:]]
     monkeypatch.undo()
     assert "".join(out) == "Hi好" and max(lengths) <= 3

@@ -47,7 +47,7 @@ def _dense(model, encoder, texts, input_type):
     ids = [model.truncate(x) for x in model.tokenize(texts, input_type)]
     out = []
     for s in range(0, len(ids), 64):
-        out += [o.dense for o in model._embed_with(encoder, ids[s:s + 64], {"dense"})[0]]
+        out += [o.dense for o in model.embed_with(encoder, ids[s:s + 64], {"dense"})[0]]
     return np.stack(out)
 
 

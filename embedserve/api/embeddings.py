@@ -146,7 +146,7 @@ def build_router(state: AppState) -> APIRouter:
         req = await embed_via_engine(state, inputs, want, request, engine)
         if req is None:
             return Response(status_code=499)
-        payload = await run_in_threadpool(_render, req, body, name, truncated)
+        payload = await run_in_threadpool(render_embeddings, req, body, name, truncated)
         return Response(payload, media_type="application/json")
 
     return router
@@ -184,7 +184,7 @@ async def _token_inputs(state: AppState, engine, body: EmbeddingRequest) -> list
     return [engine.wrap_token_ids(ids) for ids in id_lists]
 
 
-def _render(req: EmbedRequest, body: EmbeddingRequest, name: str, truncated: list[int]) -> bytes:
+def render_embeddings(req: EmbedRequest, body: EmbeddingRequest, name: str, truncated: list[int]) -> bytes:
     """The response body. orjson writes the numpy arrays directly (float32 values in their
     shortest round-trip form), ~10x faster than `tolist()` + `json.dumps` for float vectors."""
     data = []

@@ -47,7 +47,7 @@ class GenerationEvent:
     logprobs: list[TokenLogprob] | None = None
 
 
-class _Detok:
+class Detokenizer:
     """Incremental detokenization with stop strings, as vLLM does it (prefix and read offsets).
 
     Each step decodes only a window of the last few tokens, not the whole completion:
@@ -140,7 +140,7 @@ class DecodeEngine(EngineThread):
         self.eos = set(model.cfg.eos_token_ids)
         self._ids = itertools.count()
         self._inbox: list[tuple[str, object]] = []
-        self._detok: dict[int, _Detok] = {}
+        self._detok: dict[int, Detokenizer] = {}
         self._num_active = 0            # added and not yet finished, for admission control
         self._callbacks: dict[int, Callable[[GenerationEvent], None]] = {}
 
@@ -198,6 +198,14 @@ class DecodeEngine(EngineThread):
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Offline batch generation on the calling thread (the engine thread must not be running):
         every prompt is queued at once and stepped to completion; returns the finished sequences."""
+        seqs = self.enqueue(prompts, params)
+        while self.scheduler.has_work():
+            self.step()
+        return seqs
+
+    def enqueue(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Queue prompts for `step()` on the calling thread (the engine thread must not be running)
+        without stepping them; returns their sequences (`generate` steps them to completion)."""
         assert not self.health(), "use add() while the engine thread runs"
         plist = params if isinstance(params, list) else [params] * len(prompts)
         seqs = []
@@ -205,11 +213,9 @@ class DecodeEngine(EngineThread):
             self.check_request(len(ids), p.max_tokens)
             self.check_params(p)
             seq = Sequence(next(self._ids), list(ids), p)
-            self._detok[seq.seq_id] = _Detok(self.tokenizer, p.stop)
+            self._detok[seq.seq_id] = Detokenizer(self.tokenizer, p.stop)
             self.scheduler.add(seq)
             seqs.append(seq)
-        while self.scheduler.has_work():
-            self.step()
         return seqs
 
     def stats(self) -> dict:
@@ -226,7 +232,7 @@ class DecodeEngine(EngineThread):
             if kind == "add":
                 seq, cb = arg
                 self._callbacks[seq.seq_id] = cb
-                self._detok[seq.seq_id] = _Detok(self.tokenizer, seq.params.stop)
+                self._detok[seq.seq_id] = Detokenizer(self.tokenizer, seq.params.stop)
                 self.scheduler.add(seq)
                 live[seq.seq_id] = seq
             elif arg in live:

@@ -234,7 +234,7 @@ class EmbeddingModel:
                 ref = dense
             else:
                 result.min_cosine[dtype] = _min_cosine(ref, dense)
-            result.tokens_per_s[dtype] = _tokens_per_s(lambda: self._embed_with(enc, batch, {"dense"}), batch)
+            result.tokens_per_s[dtype] = _tokens_per_s(lambda: self.embed_with(enc, batch, {"dense"}), batch)
             if keep is not None and result.fastest_passing() == dtype:
                 keep.clear()
                 keep[dtype] = enc
@@ -254,7 +254,7 @@ class EmbeddingModel:
         return _min_cosine(ref, self._dense_with(encoder, ids)), encoder
 
     def _dense_with(self, encoder: Encoder, ids: list[list[int]]) -> np.ndarray:
-        return np.stack([o.dense for o in self._embed_with(encoder, ids, {"dense"})[0]])
+        return np.stack([o.dense for o in self.embed_with(encoder, ids, {"dense"})[0]])
 
     # -------------------------------------------------------------- tokenizing
     def tokenize(self, texts: list[str], input_type: str | None = None) -> list[list[int]]:
@@ -279,10 +279,12 @@ class EmbeddingModel:
     def embed(self, batch: list[list[int]], want: set[str]) -> tuple[list[EmbedOutput], int]:
         """Embed token-id lists; returns outputs in input order and the computed token count
         (real tokens plus attention padding) for the padding-efficiency metric."""
-        return self._embed_with(self.encoder, batch, want)
+        return self.embed_with(self.encoder, batch, want)
 
-    def _embed_with(self, encoder: Encoder, batch: list[list[int]], want: set[str]
-                    ) -> tuple[list[EmbedOutput], int]:
+    def embed_with(self, encoder: Encoder, batch: list[list[int]], want: set[str]
+                   ) -> tuple[list[EmbedOutput], int]:
+        """`embed` through `encoder`: this model's, or another precision's from `load_encoder`
+        (what the precision probe and the studies compare)."""
         order = sorted(range(len(batch)), key=lambda i: -len(batch[i]))
         lengths = [len(batch[i]) for i in order]
         if lengths and lengths[0] > self.max_input_length:     # past the position embeddings
@@ -296,7 +298,7 @@ class EmbeddingModel:
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         outs = [EmbedOutput() for _ in batch]
         if "dense" in want:
-            dense = self._pool(h, lengths, starts)                           # (B, H) fp32
+            dense = self.pool(h, lengths, starts)                            # (B, H) fp32
             dense_np = dense.cpu().numpy()
             for k, i in enumerate(order):
                 outs[i].dense = dense_np[k]
@@ -313,7 +315,9 @@ class EmbeddingModel:
                 outs[i].colbert = c[s + 1:s + L]
         return outs, plan.computed_tokens
 
-    def _pool(self, h: torch.Tensor, lengths: list[int], starts: np.ndarray) -> torch.Tensor:
+    def pool(self, h: torch.Tensor, lengths: list[int], starts: np.ndarray) -> torch.Tensor:
+        """The encoder's packed rows `h` (T, H) of sequences of `lengths` from `starts` pooled into
+        one fp32 vector each (B, H): CLS or mean, by the model, normalized where it is."""
         if self.pooling == "cls":
             pooled = h[torch.as_tensor(starts, device=h.device)].float()
         else:

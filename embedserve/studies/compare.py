@@ -172,7 +172,8 @@ def corpus(n: int, seed: int = 0) -> list[str]:
     return out
 
 
-def _jsonl(rows: list[dict], path: Path) -> Path:
+def write_jsonl(rows: list[dict], path: Path) -> Path:
+    """`rows` as a JSONL file at `path` (the load generator's --dataset jsonl); returns `path`."""
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return path
 
@@ -280,7 +281,7 @@ def encoder_in_process(path: Path, name: str, dtype: str, texts: list[str], runs
 def bench_embeddings(runs: int, work: Path) -> dict:
     from embedserve.models.registry import resolve_model
     texts = corpus(768)
-    data = _jsonl([{"text": t} for t in texts], work / "corpus.jsonl")
+    data = write_jsonl([{"text": t} for t in texts], work / "corpus.jsonl")
     result = {}
     for model in EMBED_MODELS:
         name, path = resolve_model(model)
@@ -399,7 +400,7 @@ def bench_generation(runs: int, work: Path) -> dict:
     _, path = resolve_generate_model(GEN_MODEL)
     tok = AutoTokenizer.from_pretrained(str(path))
     rows = {conc: gen_dataset(tok, n, 128, 16, 128, seed=conc) for conc, n in GEN_SHAPES}
-    data = {conc: _jsonl(r, work / f"gen-{conc}.jsonl") for conc, r in rows.items()}
+    data = {conc: write_jsonl(r, work / f"gen-{conc}.jsonl") for conc, r in rows.items()}
     res: dict = {"ours": {}, "vllm": {}, "hf_static": {}}
     # the decoder's best precision here on every side (bf16 where the CPU has it fast)
     for dtype, shapes in ((peer_precision(), GEN_SHAPES),):
@@ -433,7 +434,7 @@ def bench_rag(tok, work: Path, runs: int, dtype: str) -> dict:
         rows = [{"prompt": system + "\n\nDocument: " + tok.decode(tok(" ".join(rng.choice(words, size=300))).input_ids[:150])
                  + f"\n\nQuestion {r}.{i}: what does the document say?\nAnswer:", "output_len": 16}
                 for i in range(per_run)]
-        files.append(_jsonl(rows, work / f"rag-{r}.jsonl"))
+        files.append(write_jsonl(rows, work / f"rag-{r}.jsonl"))
     out: dict = {"dtype": dtype}
     for label, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
         with ours("all-MiniLM-L6-v2", dtype, generate=GEN_MODEL, extra=(flag,)) as base:

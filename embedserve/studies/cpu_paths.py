@@ -120,7 +120,7 @@ def encoders() -> list[dict]:
         for _ in range(2):                                           # alternated: the machine drifts
             for key, prec, context in runs:
                 with context():
-                    ms = _best_ms(lambda: [model._embed_with(encs[prec], b, {"dense"}) for b in batches], reps=3)
+                    ms = _best_ms(lambda: [model.embed_with(encs[prec], b, {"dense"}) for b in batches], reps=3)
                 row[key] = max(row.get(key, 0.0), tokens / ms * 1e3)
         row["int8_over_fp32"] = row["int8"] / row["float32"]
         row["kernel_over_sdpa_fp32"] = row["float32"] / row["float32_sdpa"]
@@ -201,12 +201,12 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     from embedserve.models.int8 import int8_kernel
-    from embedserve.precision import _cpuinfo
+    from embedserve.precision import cpu_flags, cpu_model
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="result file [default: results/cpu_paths-<flags>.json]")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
-    model, flags = _cpuinfo()
+    model, flags = cpu_model(), cpu_flags()
     shown = sorted(f for f in flags if f.startswith(("avx", "amx")))
     res = {"date": time.strftime("%Y-%m-%d"), "cpu": model, "flags": shown, "threads": torch.get_num_threads(),
            "int8_kernel_chosen": int8_kernel()}

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 
-def _prompts(tok, n: int, length: int, seed: int) -> list[list[int]]:
+def random_prompts(tok, n: int, length: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` token ids each, made of random words drawn with `seed`."""
     rng = np.random.default_rng(seed)
     words = ("the system retrieves passages from an index and the model answers questions about "
              "history science cities rivers music and software engineering with short sentences").split()
@@ -92,7 +93,7 @@ def bench_precision(path, tok, repeats: int = 3) -> dict:
     from embedserve.models.llama import LlamaModel
     from embedserve.precision import cpu_flags, fast_bf16_available
 
-    prompts = _prompts(tok, 16, 128, seed=2)
+    prompts = random_prompts(tok, 16, 128, seed=2)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     engines = {}
     for dtype in ("float32", "bfloat16"):
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return DecodeEngine(model, tok, DecodeConfig(**cfg), num_blocks=num_blocks)
 
     lengths = np.random.default_rng(0).integers(16, 257, size=args.requests)
-    prompts = _prompts(tok, args.requests, 128, seed=0)
+    prompts = random_prompts(tok, args.requests, 128, seed=0)
     eng = make_engine()
     peak = {"allocated": 0, "used": 0}
     step = eng.step

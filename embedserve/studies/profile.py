@@ -110,20 +110,16 @@ def decoding_engine(model, tok, batch: int, prompt_len: int, max_tokens: int, wa
     """A DecodeEngine in steady decode: a 4-token warm-up generation, then `batch` greedy
     sequences of `prompt_len`-token prompts (`max_tokens` each, ignore_eos) queued, their prefill
     run and `warm` decode steps taken. What `profile_decode` and `cpu_paths.decoder` time."""
-    from embedserve.studies.decode_bench import _prompts
     from embedserve.config import DecodeConfig
-    from embedserve.engine.decode_engine import DecodeEngine, _Detok
-    from embedserve.engine.sequence import SamplingParams, Sequence
+    from embedserve.engine.decode_engine import DecodeEngine
+    from embedserve.engine.sequence import SamplingParams
+    from embedserve.studies.decode_bench import random_prompts
 
     eng = DecodeEngine(model, tok, DecodeConfig(block_size=16, max_model_len=2048, max_num_batched_tokens=2048,
                                                 max_num_seqs=max(64, batch)), num_blocks=1024)
-    prompts = _prompts(tok, batch, prompt_len, seed=3)
+    prompts = random_prompts(tok, batch, prompt_len, seed=3)
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))   # warm-up
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for ids in prompts:
-        seq = Sequence(next(eng._ids), list(ids), params)
-        eng._detok[seq.seq_id] = _Detok(tok, ())
-        eng.scheduler.add(seq)
+    eng.enqueue(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     for _ in range(warm):
@@ -223,7 +219,7 @@ def _ops_by_family(events, label: str, n: int) -> tuple[dict, dict, dict]:
 
 
 def profile_embed(model_name: str, dtype: str, num_texts: int, repeats: int = 5) -> dict:
-    from embedserve.api.embeddings import EmbeddingRequest, _render
+    from embedserve.api.embeddings import EmbeddingRequest, render_embeddings
     from embedserve.studies.compare import corpus
     from embedserve.engine.batch_queue import EmbedRequest
     from embedserve.models.embedding_model import EmbeddingModel
@@ -259,7 +255,7 @@ def profile_embed(model_name: str, dtype: str, num_texts: int, repeats: int = 5)
     with torch.inference_mode():
         fwd_ms, h = timed(model.encoder, flat, pos, plan)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        pool_ms, _ = timed(model._pool, h, lengths, starts)
+        pool_ms, _ = timed(model.pool, h, lengths, starts)
         embed_ms, (outs, computed) = timed(model.embed, ids, want)
         from kernels import cpu_attention
         patches: list = []
@@ -284,8 +280,8 @@ def profile_embed(model_name: str, dtype: str, num_texts: int, repeats: int = 5)
     fam_ms["Python and dispatch (forward wall − op self time)"] = max(fwd_prof_ms - sum(fam_ms.values()), 0.0)
     req = EmbedRequest(inputs=ids, want=frozenset(want), on_done=lambda r: None)
     req.outputs, req.num_tokens = outs, sum(lengths)
-    json_float_ms, body = timed(_render, req, EmbeddingRequest(input=texts), name, [])
-    json_b64_ms, body64 = timed(_render, req, EmbeddingRequest(input=texts, encoding_format="base64"), name, [])
+    json_float_ms, body = timed(render_embeddings, req, EmbeddingRequest(input=texts), name, [])
+    json_b64_ms, body64 = timed(render_embeddings, req, EmbeddingRequest(input=texts, encoding_format="base64"), name, [])
     tokens = sum(lengths)
     phases = {"tokenize": tok_ms, "pack (sort, attention plan, tensors)": pack_ms, "forward": fwd_ms,
               "pooling + normalize": pool_ms,
@@ -374,7 +370,7 @@ def profile_served(model_name: str, dtype: str) -> dict:
     from embedserve.models.registry import resolve_model
     name, path = resolve_model(model_name)
     texts = compare.corpus(768)
-    data = compare._jsonl([{"text": t} for t in texts], Path(tempfile.mkdtemp()) / "corpus.jsonl")
+    data = compare.write_jsonl([{"text": t} for t in texts], Path(tempfile.mkdtemp()) / "corpus.jsonl")
     rows = []
     with compare.ours(model_name, dtype) as base:
         pid = int(subprocess.check_output(["pgrep", "-n", "-f", f"embedserve.cli serve --model {model_name}"]).split()[0])
