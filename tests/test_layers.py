@@ -1,6 +1,8 @@
 """The import graph runs one way: HTTP -> wiring -> engines -> models -> kernels, with `index/`
 and `migrations/` as libraries below the service (vLLM's entrypoints over its engine, TEI's
-router over its backend). Read from the source with `ast`, function-level imports included."""
+router over its backend), and the benchmark studies (`embedserve/studies/`) beside it: nothing
+imports them, and they and the load generator use only public names of the product. Read from
+the source with `ast`, function-level imports included."""
 
 from __future__ import annotations
 
@@ -18,19 +20,27 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _package(path: Path, module: str) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a `from ... import` reads (relative levels resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(path: Path, module: str) -> set[str]:
     """Every module of ours that `path` imports (absolute names, relative imports resolved)."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = _package(path, module)
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                prefix = ".".join(base + ([node.module] if node.module else []))
-            else:
-                prefix = node.module or ""
+            prefix = _from_module(node, package)
             # `from pkg import mod` imports pkg.mod when that is a module of ours, else names in pkg
             subs = [f"{prefix}.{a.name}" for a in node.names]
             names = [n for n in subs if n in MODULES]
@@ -79,6 +89,50 @@ def test_index_and_kernels_import_nothing_from_embedserve():
     assert _violations(("index", "kernels"), ("embedserve",)) == []
 
 
+STUDIES = "embedserve.studies"
+# what uses the product from outside, as a user's script would: only its public names
+OUTSIDERS = (STUDIES, "embedserve.bench")
+
+
+def _private(name: str) -> bool:
+    return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in name.split("."))
+
+
+def _private_uses(tree: ast.AST, module: str, package: str, own: str) -> list[str]:
+    """The private (`_`-prefixed) names of ours outside `own` that `tree` imports (`from m import
+    _x`, `import m._x`), or reaches as an attribute of anything but `self` and torch (`eng._ids`)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"{module} imports {a.name}" for a in node.names
+                      if a.name.split(".")[0] in PACKAGES and not a.name.startswith(own) and _private(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            src = _from_module(node, package)
+            if src.split(".")[0] in PACKAGES and not src.startswith(own):
+                found += [f"{module} imports {src}.{a.name}" for a in node.names if _private(f"{src}.{a.name}")]
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if not (isinstance(root, ast.Name) and root.id in ("self", "cls", "torch")):
+                found.append(f"{module} line {node.lineno} reaches .{node.attr}")
+    return found
+
+
+def test_the_product_never_imports_the_studies():
+    assert sorted(f"{mod} imports {dep}" for mod, deps in GRAPH.items() for dep in deps
+                  if not mod.startswith(STUDIES) and dep.startswith(STUDIES)) == []
+
+
+def test_studies_and_the_load_generator_use_only_public_names_of_the_product():
+    found = []
+    for name, path in MODULES.items():
+        own = next((o for o in OUTSIDERS if name.startswith(o)), None)
+        if own:
+            found += _private_uses(ast.parse(path.read_text(), str(path)), name, _package(path, name), own)
+    assert found == []
+
+
 def test_ray_is_imported_only_by_the_ray_engine_and_only_inside_it():
     """Ray is an optional extra: one module uses it, lazily, so `import embedserve` never needs it."""
     users = set()
@@ -99,7 +153,15 @@ def test_no_two_modules_import_each_other():
 
 
 def test_the_checks_can_fail():
-    """The reader sees a cycle and a layer violation when there is one (here, made up)."""
+    """The reader sees a cycle, a layer violation and a private name when there is one (here, made up)."""
+    made_up = ast.parse("from embedserve.engine.decode_engine import DecodeEngine, _Detok\n"
+                        "from ..precision import _cpuinfo\nfrom . import _helper\nimport kernels._common\n"
+                        "eng._ids, self._own, torch._int_mm\n")
+    assert _private_uses(made_up, "embedserve.studies.x", "embedserve.studies", STUDIES) == [
+        "embedserve.studies.x imports embedserve.engine.decode_engine._Detok",
+        "embedserve.studies.x imports embedserve.precision._cpuinfo",
+        "embedserve.studies.x imports kernels._common",
+        "embedserve.studies.x line 5 reaches ._ids"]
     GRAPH["embedserve.engine.fake"] = {"embedserve.api.app"}
     GRAPH["embedserve.api.app"] = GRAPH["embedserve.api.app"] | {"embedserve.engine.fake"}
     try:
