@@ -27,7 +27,7 @@ class EngineThread:
         self.death: str | None = None
 
     def start(self) -> None:
-        self._stop = False                      # a stopped engine may be started again
+        self._stop, self.death = False, None    # a stopped engine may be started again
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
@@ -65,7 +65,9 @@ class EngineThread:
         """Why this engine is not healthy, or None."""
         if self._thread is None:
             return f"the {self.thread_name} thread was never started"
-        if not self._thread.is_alive():
+        if self.death is not None or not self._thread.is_alive():
+            # `death` is set before the dying loop fails its requests: they see the cause, not a
+            # thread that is still (just) alive
             return f"the {self.thread_name} thread has stopped" + (f" ({self.death})" if self.death else "")
         since = self._busy_since
         if since is not None and time.monotonic() - since > self.stall_after:
