@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from helpers import free_port
-from embedserve.bench import load
+from embedserve.bench import report, workload
 from embedserve.cli import main as cli_main
 
 EMBED_DELAY = 0.05      # s the stub takes per embeddings request
@@ -28,54 +28,54 @@ STUB_MODEL = "stub-model"
 # ----------------------------------------------------------------------------- arrivals
 @pytest.mark.parametrize("burstiness, cv", [(1.0, 1.0), (0.25, 2.0), (4.0, 0.5)])
 def test_inter_arrivals_have_mean_one_over_rate_and_gamma_cv(burstiness, cv):
-    gaps = load.inter_arrival_times(20_000, 5.0, burstiness, np.random.default_rng(0))
+    gaps = workload.inter_arrival_times(20_000, 5.0, burstiness, np.random.default_rng(0))
     assert gaps.shape == (20_000,) and (gaps >= 0).all()
     assert gaps.mean() == pytest.approx(0.2, rel=0.03)
     assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.05)      # CV = 1/sqrt(shape)
 
 
 def test_infinite_rate_sends_everything_at_once_and_offsets_start_at_zero():
-    assert (load.inter_arrival_times(50, float("inf"), 1.0, np.random.default_rng(0)) == 0).all()
-    assert load.arrival_offsets(np.array([0.5, 0.25, 1.0])).tolist() == [0.0, 0.5, 0.75]
-    a = load.inter_arrival_times(10, 3.0, 1.0, np.random.default_rng(7))
-    b = load.inter_arrival_times(10, 3.0, 1.0, np.random.default_rng(7))
+    assert (workload.inter_arrival_times(50, float("inf"), 1.0, np.random.default_rng(0)) == 0).all()
+    assert workload.arrival_offsets(np.array([0.5, 0.25, 1.0])).tolist() == [0.0, 0.5, 0.75]
+    a = workload.inter_arrival_times(10, 3.0, 1.0, np.random.default_rng(7))
+    b = workload.inter_arrival_times(10, 3.0, 1.0, np.random.default_rng(7))
     assert (a == b).all()                                                # seeded: the same schedule
 
 
 # ----------------------------------------------------------------------------- percentiles
 def test_percentiles_interpolate_linearly_between_closest_ranks():
     # position (n-1)*q/100 in the sorted values
-    assert load.percentile([4, 1, 3, 2], 50) == 2.5                      # 1.5 → 2 + 0.5
-    assert load.percentile([4, 1, 3, 2], 90) == pytest.approx(3.7)       # 2.7 → 3 + 0.7
-    assert load.percentile([4, 1, 3, 2], 99) == pytest.approx(3.97)      # 2.97
+    assert report.percentile([4, 1, 3, 2], 50) == 2.5                    # 1.5 → 2 + 0.5
+    assert report.percentile([4, 1, 3, 2], 90) == pytest.approx(3.7)     # 2.7 → 3 + 0.7
+    assert report.percentile([4, 1, 3, 2], 99) == pytest.approx(3.97)    # 2.97
     xs = [15, 20, 35, 40, 50]
-    assert load.percentile(xs, 50) == 35                                 # 2.0 exactly
-    assert load.percentile(xs, 90) == pytest.approx(46.0)                # 3.6 → 40 + 0.6*10
-    assert load.percentile(xs, 99) == pytest.approx(49.6)                # 3.96
-    assert load.percentile([7], 99) == 7 and load.percentile(xs, 100) == 50 and load.percentile(xs, 0) == 15
+    assert report.percentile(xs, 50) == 35                               # 2.0 exactly
+    assert report.percentile(xs, 90) == pytest.approx(46.0)              # 3.6 → 40 + 0.6*10
+    assert report.percentile(xs, 99) == pytest.approx(49.6)              # 3.96
+    assert report.percentile([7], 99) == 7 and report.percentile(xs, 100) == 50 and report.percentile(xs, 0) == 15
     ys = np.random.default_rng(1).exponential(size=37).tolist()
     for q in (50, 90, 99):                                               # numpy's default method
-        assert load.percentile(ys, q) == pytest.approx(np.percentile(ys, q, method="linear"))
-    stats = load.latency_stats([0.001, 0.002, 0.003, 0.004])
+        assert report.percentile(ys, q) == pytest.approx(np.percentile(ys, q, method="linear"))
+    stats = report.latency_stats([0.001, 0.002, 0.003, 0.004])
     assert stats["mean"] == pytest.approx(2.5) and stats["p90"] == pytest.approx(3.7)   # milliseconds
-    assert load.latency_stats([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert report.latency_stats([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
 
 
 # ----------------------------------------------------------------------------- datasets
 def test_random_workload_is_seeded_sized_and_separate_from_warmup():
-    cfg = load.LoadConfig(kind="embed", model="m", num_requests=30, warmup=3, input_len=40, range_ratio=0.5,
-                          batch_size=2, seed=3)
-    w = load.build_workload(cfg)
+    cfg = workload.LoadConfig(kind="embed", model="m", num_requests=30, warmup=3, input_len=40, range_ratio=0.5,
+                              batch_size=2, seed=3)
+    w = workload.build_workload(cfg)
     assert len(w.measured) == 30 and len(w.warmup) == 3
     assert all(set(b) == {"model", "input"} and len(b["input"]) == 2 for b in w.measured)
     texts = [t for b in w.measured + w.warmup + [w.probe] for t in b["input"]]
     assert len(set(texts)) == len(texts)                                 # nothing repeats
     assert any("\u4e00" <= ch <= "\u9fff" for t in texts for ch in t)    # some Chinese words
-    budget = [sum(load._ZH_COST if not w_.isascii() else 1 for w_ in t.split()) for t in texts]
-    assert 20 - load._ZH_COST < min(budget) and max(budget) <= 60        # [40*(1-r), 40*(1+r)]
-    assert load.build_workload(cfg).measured == w.measured               # the same seed, the same texts
-    g = load.build_workload(load.LoadConfig(kind="generate", model="m", num_requests=5, output_len=8,
-                                            ignore_eos=True))
+    budget = [sum(workload.ZH_COST if not w_.isascii() else 1 for w_ in t.split()) for t in texts]
+    assert 20 - workload.ZH_COST < min(budget) and max(budget) <= 60     # [40*(1-r), 40*(1+r)]
+    assert workload.build_workload(cfg).measured == w.measured           # the same seed, the same texts
+    g = workload.build_workload(workload.LoadConfig(kind="generate", model="m", num_requests=5, output_len=8,
+                                                    ignore_eos=True))
     assert g.measured[0]["max_tokens"] == 8 and g.measured[0]["ignore_eos"] is True
     assert g.measured[0]["stream_options"] == {"include_usage": True} and g.measured[0]["temperature"] == 0.0
 
@@ -83,8 +83,8 @@ def test_random_workload_is_seeded_sized_and_separate_from_warmup():
 def test_jsonl_lines_set_prompt_and_output_len(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a", "output_len": 3}\n\n{"text": "b"}\n')
-    w = load.build_workload(load.LoadConfig(kind="generate", model="m", dataset="jsonl",
-                                            dataset_path=str(path), output_len=9, stream=False))
+    w = workload.build_workload(workload.LoadConfig(kind="generate", model="m", dataset="jsonl",
+                                                    dataset_path=str(path), output_len=9, stream=False))
     assert [(b["prompt"], b["max_tokens"]) for b in w.measured] == [("a", 3), ("b", 9)]
     assert "stream_options" not in w.measured[0] and "ignore_eos" not in w.measured[0]
 
@@ -302,10 +302,13 @@ def test_an_unreachable_server_is_one_line_and_exit_2(capsys):
     assert rc == 2 and len(err) == 1 and "cannot reach" in err[0]
 
 
-def test_bench_routes_to_the_load_generator_or_the_comparison(capsys):
+def test_bench_routes_to_the_load_generator_and_points_at_the_comparison(capsys):
+    """`make bench`'s comparison is a study beside the product, not a subcommand: `bench` names it."""
+    from embedserve.studies import compare
     with pytest.raises(SystemExit):
-        cli_main(["bench", "compare", "--help"])
+        compare.main(["--help"])
     assert "make bench" in capsys.readouterr().out
+    assert cli_main(["bench", "compare", "--help"]) == 2 and "embedserve.studies.compare" in capsys.readouterr().err
     assert cli_main(["bench"]) == 2 and "choose `embed`" in capsys.readouterr().err
 
 

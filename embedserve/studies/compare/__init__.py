@@ -1,0 +1,96 @@
+"""`make bench`: embedserve side by side with the servers a user would pick instead, on this
+machine, in one run, written to embedserve/studies/results/compare.{json,md} and BENCHMARKS.md.
+
+Every served system is driven by the same load generator (`embedserve bench embed|generate`,
+OpenAI-compatible HTTP only) with the same texts, model directory, precision and concurrency;
+the offline peers (sentence-transformers `encode`, Hugging Face `generate` in static batches as
+wide as the served runs' concurrency) run in this process on the same inputs. Medians of
+`--runs` runs (default 3). Peers live in their own venvs under .bench-peers/ (the Makefile
+builds them once); a peer that is not installed is reported as such, never estimated.
+
+  embeddings  all-MiniLM-L6-v2 and multilingual-e5-small: embedserve, infinity-emb and
+              sentence-transformers, each in fp32 and in its best precision here (ours: what
+              `--dtype auto` picks; the peers: bf16 where the CPU has fast bf16, else fp32, run
+              once); 1 text per request at 8 and 32 concurrent clients, 32 texts per request at
+              8; a Poisson sweep to saturation for the best precisions
+  generation  SmolLM2-135M-Instruct in the decoder's best precision on this machine (bf16 where
+              the CPU has fast bf16, else fp32) on every side: embedserve vs vLLM (CPU) vs HF
+              static batching at 1, 16 and 64 concurrent requests, 128-token prompts, outputs
+              16..128 tokens, ignore_eos; and a RAG shape (a 1,000-token shared system prompt)
+              with our prefix caching on and off
+  ceiling     the encoder's FLOPs/token × our tokens/s against the FLOP/s of 4,096 tokens through
+              its FFN up-projection (4096 × 384 × 1536 for these two encoders), and the
+              decoder's weight bytes per step × steps/s against a copy's memory bandwidth; the
+              encoder in process and the matmul rate are measured right after our served runs of
+              the same precision (this machine's speed moves by 10-15 % within minutes)
+
+    python -m embedserve.studies.compare            # what `make bench` runs (about 55 minutes on 2 AVX2 cores)
+
+One module per part: peers (the servers and the load generator that drives them), embeddings,
+generation, ceiling, report (the markdown); this one runs them and writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from embedserve.bench.report import machine_info
+
+from .ceiling import bench_ceiling
+from .embeddings import EMBED_WORKLOADS, bench_embeddings, corpus
+from .generation import GEN_SHAPES, bench_generation
+from .peers import EMBED_MODELS, GEN_MODEL, RESULTS, ROOT, best_dtype, best_of, drive, log, ours, write_jsonl
+from .report import markdown
+
+# what the other studies and the tests use, by the name of the study
+__all__ = ["EMBED_MODELS", "EMBED_WORKLOADS", "GEN_MODEL", "GEN_SHAPES", "RESULTS", "ROOT", "best_dtype", "best_of",
+           "corpus", "drive", "main", "markdown", "ours", "update_benchmarks_md", "write_jsonl"]
+
+
+def update_benchmarks_md(md: str) -> None:
+    path = ROOT / "BENCHMARKS.md"
+    text = path.read_text()
+    begin, end = "<!-- make-bench:begin -->", "<!-- make-bench:end -->"
+    if begin in text:
+        text = text[:text.index(begin) + len(begin)] + "\n" + md + "\n" + text[text.index(end):]
+        path.write_text(text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m embedserve.studies.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--only", choices=("embeddings", "generation"), default=None)
+    ap.add_argument("--out", default=str(RESULTS / "compare.json"))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("EMBEDSERVE_THREADS", str(os.cpu_count() or 1))
+    from embedserve.precision import cpu_flags
+    t0 = time.time()
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    res = {"command": "make bench", "date": time.strftime("%Y-%m-%d"), "runs": args.runs,
+           "machine": machine_info(),
+           "cpu_flags": sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni",
+                                                                "amx_bf16", "amx_int8"))}
+    if args.only in (None, "embeddings"):
+        log("embeddings")
+        res["embeddings"] = bench_embeddings(args.runs, work)
+    if args.only in (None, "generation"):
+        log("generation")
+        res["generation"] = bench_generation(args.runs, work)
+    if args.only is None:
+        log("ceiling")
+        res["ceiling"] = bench_ceiling(res["embeddings"], res["generation"])
+    res["minutes"] = (time.time() - t0) / 60
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    if args.only is None:
+        md = markdown(res)
+        Path(args.out).with_suffix(".md").write_text(md + "\n")
+        update_benchmarks_md(md)
+        print(md)
+    log(f"done in {res['minutes']:.1f} minutes; wrote {args.out}")
+    return 0
