@@ -25,33 +25,13 @@ from typing import Iterator
 import numpy as np
 
 from . import durable
+from .docstore_file import SCHEMA, Transaction, is_full, upgrade
 from .errors import ConflictError, RetiredError, ValidationError
 
 logger = logging.getLogger(__name__)
 
 DB_NAME = "docs.sqlite"
 RETIRED = "RETIRED"          # in a version directory: a migration replaced it; no more writes
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS docs (
-    id INTEGER PRIMARY KEY,
-    ext_id TEXT NOT NULL UNIQUE,
-    text TEXT NOT NULL,
-    metadata TEXT NOT NULL,
-    content_hash TEXT NOT NULL,
-    label INTEGER NOT NULL UNIQUE,
-    dense BLOB,
-    sparse_ids BLOB,
-    sparse_weights BLOB,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    wseq INTEGER
-);
-CREATE TABLE IF NOT EXISTS dead (label INTEGER PRIMARY KEY, at_seq INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS dead_at_seq ON dead (at_seq);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-INSERT OR IGNORE INTO meta VALUES ('seq', 0), ('pruned_upto', 0);
-"""
 
 Sparse = tuple[np.ndarray, np.ndarray]      # (token ids, weights)
 
@@ -106,24 +86,14 @@ class DocStore:
             self.conn.execute("PRAGMA journal_mode=WAL")
             # FULL: a commit is on disk before the write is acknowledged (survives power loss, not just kill -9).
             self.conn.execute("PRAGMA synchronous=FULL")
-            self.conn.executescript(_SCHEMA)
-            self._add_wseq()
+            self.conn.executescript(SCHEMA)
+            upgrade(self.conn, self._transaction)
         except BaseException as exc:
             self.conn.close()
-            if _is_full(exc, path):
+            if is_full(exc, path):
                 raise durable.note_full(path, str(exc), "the doc store cannot be opened without room for its "
                                         "write-ahead log") from exc
             raise
-
-    def _add_wseq(self) -> None:
-        """A doc store written before `wseq` existed gets it (= label: the last write to each row
-        the store knows of), in one transaction, once."""
-        if not any(r[1] == "wseq" for r in self.conn.execute("PRAGMA table_info(docs)")):
-            with self._transaction() as cur:
-                if not any(r[1] == "wseq" for r in cur.execute("PRAGMA table_info(docs)")):
-                    cur.execute("ALTER TABLE docs ADD COLUMN wseq INTEGER")
-                    cur.execute("UPDATE docs SET wseq = label")
-        self.conn.execute("CREATE INDEX IF NOT EXISTS docs_wseq ON docs (wseq)")
 
     def close(self) -> None:
         self.conn.close()
@@ -228,11 +198,11 @@ class DocStore:
             cur.execute("DELETE FROM dead WHERE at_seq <= ?", (upto,))
             cur.execute("UPDATE meta SET value=MAX(value, ?) WHERE key='pruned_upto'", (upto,))
 
-    def _transaction(self) -> "_Transaction":
+    def _transaction(self) -> Transaction:
         """A write transaction; out of room is a StorageFullError, after a rollback."""
         if os.environ.get(durable.QUOTA_ENV):
             self._simulate_quota()
-        return _Transaction(self.conn, self.path)
+        return Transaction(self.conn, self.path)
 
     def _simulate_quota(self) -> None:
         """Test-only (durable.QUOTA_ENV): while the simulated volume is full, cap the page count
@@ -257,7 +227,7 @@ class DocStore:
 
     def reading(self):
         """A read transaction: every read inside sees one committed state (WAL snapshot)."""
-        return _Transaction(self.conn, self.path, "BEGIN DEFERRED")
+        return Transaction(self.conn, self.path, "BEGIN DEFERRED")
 
     # ----------------------------------------------------------------- replay
     def dead_since(self, seq: int) -> np.ndarray:
@@ -356,73 +326,6 @@ class DocStore:
 
     def integrity(self) -> str:
         return self.conn.execute("PRAGMA quick_check").fetchone()[0]
-
-
-class _Transaction:
-    """BEGIN IMMEDIATE (take the write lock up front: no upgrade deadlocks) ... COMMIT or ROLLBACK.
-
-    A failed statement or COMMIT is rolled back (SQLite may or may not have done so itself after
-    SQLITE_FULL or an I/O error), so the connection takes the next write once there is room;
-    out of room is raised as StorageFullError."""
-
-    def __init__(self, conn: sqlite3.Connection, path: Path, begin: str = "BEGIN IMMEDIATE"):
-        self.conn = conn
-        self.path = path
-        self.begin = begin
-        self.changes = 0            # the connection's total_changes at BEGIN
-
-    def __enter__(self) -> sqlite3.Cursor:
-        self.changes = self.conn.total_changes
-        try:
-            self.conn.execute(self.begin)
-        except sqlite3.Error as exc:
-            self._raise_if_full(exc)
-            raise
-        return self.conn.cursor()
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            self._rollback()
-            self._raise_if_full(exc)
-            return False
-        try:
-            self.conn.execute("COMMIT")
-        except BaseException as commit_exc:
-            self._rollback()
-            self._raise_if_full(commit_exc)
-            raise
-        if self.conn.total_changes != self.changes:     # it wrote something: the volume had room
-            durable.note_written(self.path)
-        return False
-
-    def _rollback(self) -> None:
-        """Roll back what is still open (after SQLITE_FULL, SQLite may have done it already)."""
-        if self.conn.in_transaction:
-            try:
-                self.conn.execute("ROLLBACK")
-            except sqlite3.Error as exc:
-                logger.warning("doc store %s: rollback failed (%s)", self.path, exc)
-
-    def _raise_if_full(self, exc: BaseException) -> None:
-        if _is_full(exc, self.path):
-            raise durable.note_full(self.path, str(exc)) from exc
-
-
-def _is_full(exc: BaseException, path: Path) -> bool:
-    """SQLITE_FULL ("database or disk is full"), ENOSPC, or an I/O error (a failed fsync, a -shm
-    file that cannot grow) on a volume with (almost) no room left."""
-    if not isinstance(exc, sqlite3.Error):
-        return durable.out_of_space(exc)
-    code = getattr(exc, "sqlite_errorcode", None)       # Python 3.11+
-    if code == sqlite3.SQLITE_FULL or (code is None and "database or disk is full" in str(exc)):
-        return True
-    io_error = code & 0xFF == sqlite3.SQLITE_IOERR if code is not None else "disk I/O error" in str(exc)
-    if not io_error:
-        return False
-    try:
-        return durable.free_bytes(path) < durable.LOW_SPACE_BYTES
-    except OSError:
-        return False
 
 
 def _chunks(items: list, n: int):

@@ -2,7 +2,8 @@
 and `migrations/` as libraries below the service (vLLM's entrypoints over its engine, TEI's
 router over its backend), and the benchmark studies (`embedserve/studies/`) beside it: nothing
 imports them, and they and the load generator use only public names of the product. Read from
-the source with `ast`, function-level imports included."""
+the source with `ast`, function-level imports included; and no module of these packages is
+over ~400 lines."""
 
 from __future__ import annotations
 
@@ -131,6 +132,14 @@ def test_studies_and_the_load_generator_use_only_public_names_of_the_product():
         if own:
             found += _private_uses(ast.parse(path.read_text(), str(path)), name, _package(path, name), own)
     assert found == []
+
+
+MAX_LINES = 420     # "small enough to read in one sitting": ~400, grown by adding a file, not a branch
+
+
+def test_no_module_is_over_420_lines():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    assert sorted(f"{name}: {n} lines" for name, n in sizes.items() if n > MAX_LINES) == []
 
 
 def test_ray_is_imported_only_by_the_ray_engine_and_only_inside_it():
