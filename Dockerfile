@@ -18,7 +18,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/embedserve/src
 
-# A C compiler: the CPU decode-attention kernel (kernels/cpu_paged_attention.c) and the int8
+# A C compiler: the CPU kernels (kernels/cpu_paged_attention.c: attention, norms, RoPE, GEMV) and the int8
 # encoder path (torch inductor) compile at first use for the CPU they run on (-march=native), so
 # not at image build time. Without it both fall back to slower torch paths. Debian's security
 # updates move these versions, so they are not pinned.

@@ -3,7 +3,7 @@ per-output-channel int8 weights, int32 accumulation in `torch._int_mm` (oneDNN's
 with the quantize / dequantize steps fused by `torch.compile`.
 
 Why this scheme (measured on all-MiniLM-L6-v2 and multilingual-e5-small, 2-core EPYC with
-AVX512-VNNI; the study is summarized in BENCHMARKS.md): weights quantize well per output
+AVX512-VNNI; the study is summarized in CHANGELOG.md): weights quantize well per output
 channel; activations do not per tensor, because a few input channels carry outliers 20-60x
 the median (the FFN-down input; a fixed QKV channel), so one scale per tensor crushes the rest
 (plain dynamic quantization: min cosine 0.82-0.96 to fp32). One scale per token keeps every

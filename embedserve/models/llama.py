@@ -5,8 +5,9 @@ KV cache. One forward takes the step's packed tokens of every scheduled sequence
 
 Weights load from HF safetensors only; linears are packed for oneDNN where that runs
 (`linear`), and steps of a few sequences read the row-major weights through `gemv` in fp32.
-Attention goes through `attention_dispatch` (the Triton kernels on a GPU, a vectorized torch
-path on the CPU).
+Attention goes through `attention_dispatch`: the Triton kernels on a GPU; on the CPU the C
+kernels of `kernels/cpu_attention` (paged decode attention, and the glue around it: residual
+add + RMSNorm, RoPE + K/V store, SiLU x up) where they are built, else the torch reference.
 """
 
 from __future__ import annotations
