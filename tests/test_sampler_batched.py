@@ -130,3 +130,19 @@ def test_uniform_draw_is_never_a_zero_probability_token():
     top = torch.tensor([math.nextafter(1.0, 0.0)], dtype=torch.float64)
     assert sampler._inverse_cdf(probs, ids, top).tolist() == [11]
     assert sampler._inverse_cdf(probs, ids, torch.tensor([0.0], dtype=torch.float64)).tolist() == [10]
+
+
+def test_the_sampler_study_times_both_samplers_on_every_case():
+    """`python -m embedserve.studies.cpu_paths --only sampler`: one row per case, both sides timed,
+    the peer a real sampler (greedy rows its argmax, sampled rows inside the top-k)."""
+    from embedserve.studies import cpu_paths
+    rows = cpu_paths.sampler(rows=4, vocab=2000, reps=2)
+    assert [r["case"] for r in rows] == list(cpu_paths.SAMPLER_CASES)
+    assert all(r["batched_ms"] > 0 and r["per_row_ms"] > 0 and r["speedup"] > 0 for r in rows)
+    logits = torch.randn(3, 2000, generator=torch.Generator().manual_seed(3))
+    seqs = [_seq(temperature=0), _seq(temperature=0.8, top_k=5), _seq(temperature=0.8, top_k=5)]
+    picks = cpu_paths._per_row_sample(logits, seqs)
+    assert picks[0] == int(logits[0].argmax())
+    assert all(t in set(torch.topk(logits[i], 5).indices.tolist()) for i, t in enumerate(picks[1:], 1))
+    assert "sampler, 16 x 49,152 logits" in cpu_paths.markdown(
+        {"cpu": "x", "flags": [], "threads": 1, "date": "d", "sampler": rows})

@@ -5,11 +5,13 @@ encoder in process in fp32 and int8 and with its GELU the other way (a oneDNN po
 place after the matmul: `linear.fused_activation_preferred` times the two at start), and the
 decoder's step as it runs against the same step with its `gemv` (steps of up to 32 sequences)
 replaced by the packed matmul and with its C glue kernels replaced by the torch ops (fp32, 1 and
-16 sequences, alternated blocks of steps in one engine). The choices `embedserve.models.int8`,
+16 sequences, alternated blocks of steps in one engine), and the engine's batched sampler against
+the per-row sort sampler it replaced. The choices `embedserve.models.int8`,
 `kernels.cpu_attention.varlen_preferred`, `cpu_attention.decoder_glue_supports`,
 `GEMV_MAX_ROWS` and the GELU's make by CPU rest on these numbers.
 
     python -m embedserve.studies.cpu_paths            # ~10 minutes on 2 AVX2 cores; prints a markdown table
+    python -m embedserve.studies.cpu_paths --only sampler       # one section (seconds)
 """
 
 from __future__ import annotations
@@ -174,28 +176,86 @@ def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
     return out
 
 
+SAMPLER_CASES = {"greedy": {"temperature": 0}, "temperature 1.0": {"temperature": 1.0},
+                 "top_p 0.9, T 0.7": {"temperature": 0.7, "top_p": 0.9},
+                 "top_k 50, T 0.8": {"temperature": 0.8, "top_k": 50},
+                 "top_p 0.95, seeded": {"temperature": 1.0, "top_p": 0.95, "seed": 1}}
+
+
+def _per_row_sample(logits: torch.Tensor, seqs) -> list[int]:
+    """The textbook sampler the engine's batched one replaced: per row, top-k by topk, top-p by a
+    sort of the whole vocabulary, then `torch.multinomial` (the peer of `sampler()` below)."""
+    out = logits.argmax(dim=-1).tolist()
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            continue
+        row = logits[i] / p.temperature
+        if 0 < p.top_k < row.shape[-1]:
+            row = row.masked_fill(row < torch.topk(row, p.top_k).values[-1], float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(descending=True)
+            sorted_p = sorted_p.masked_fill(sorted_p.cumsum(0) - sorted_p > p.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        out[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+    return out
+
+
+def sampler(rows: int = 16, vocab: int = 49_152, reps: int = 30) -> list[dict]:
+    """`engine.sampler.sample` (batched over the step's rows) against the per-row sort sampler, on
+    (rows, vocab) logits (SmolLM2's vocabulary), medians of `reps` calls, interleaved."""
+    from embedserve.engine.sampler import sample
+    from embedserve.engine.sequence import SamplingParams, Sequence
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 6
+    out = []
+    for name, kw in SAMPLER_CASES.items():
+        ours = [Sequence(i, [0], SamplingParams(**kw)) for i in range(rows)]
+        peer = [Sequence(i, [0], SamplingParams(**kw)) for i in range(rows)]
+        times: dict[str, list[float]] = {"batched": [], "per row": []}
+        for _ in range(reps):
+            for label, fn in (("batched", lambda: sample(logits, ours)), ("per row", lambda: _per_row_sample(logits, peer))):
+                t0 = time.perf_counter()
+                fn()
+                times[label].append(time.perf_counter() - t0)
+        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        out.append({"case": name, "rows": rows, "vocab": vocab, "batched_ms": ms["batched"],
+                    "per_row_ms": ms["per row"], "speedup": ms["per row"] / ms["batched"]})
+    return out
+
+
 def markdown(res: dict) -> str:
     lines = [f"CPU {res['cpu']}, flags {', '.join(res['flags'])}, {res['threads']} threads "
-             f"(`python -m embedserve.studies.cpu_paths`, {res['date']}).", "",
-             "| linear (T x K x N) | fp32 packed GFLOP/s | `torch._int_mm` GOP/s | fbgemm int8 linear GFLOP/s |",
-             "|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['fp32_packed']:.0f} | {r['int_mm']:.1f} | {r['fbgemm_int8_linear']:.0f} |"
-              for r in res["matmuls"]]
-    lines += ["", "| encoder attention, 64 sequences of 8-159 tokens | C varlen kernel ms | per-sequence SDPA ms |",
-              "|---|---|---|"]
-    lines += [f"| {r['heads']} heads, {r['tokens']} tokens | {r['c_kernel_ms']:.1f} | {r['sdpa_per_sequence_ms']:.1f} |"
-              if "not_run" not in r else f"| not run: {r['not_run']} | | |" for r in res["attention"]]
-    lines += ["", "| encoder in process, 4,096-token batches | attention | GELU | fp32 tokens/s | int8 tokens/s | "
-              "int8 / fp32 | fp32 with SDPA tokens/s | kernel / SDPA | fp32 with the other GELU tokens/s | "
-              "GELU choice / other |", "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} ({r['tokens']} tokens) | {r['attention']} | {r['gelu']} | {r['float32']:.0f} | "
-              f"{r['int8']:.0f} | {r['int8_over_fp32']:.2f}× | {r['float32_sdpa']:.0f} | {r['kernel_over_sdpa_fp32']:.2f}× "
-              f"| {r['float32_other_gelu']:.0f} | {r['gelu_choice_over_other']:.2f}× |" for r in res["encoders"]]
-    lines += ["", "| SmolLM2 decode step, fp32, 128-token prompts | as run (glue + gemv) ms/step | packed matmul "
-              "instead of gemv | torch ops instead of glue | gemv speedup | glue speedup |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['sequences']} sequences | " + " | ".join(f"{r['ms_per_step'][n]:.1f}" for n in DECODER_PATHS)
-              + f" | {r['gemv_speedup']:.2f}× | {r['glue_speedup']:.2f}× |" if "not_run" not in r
-              else f"| not run: {r['not_run']} | | | | | |" for r in res.get("decoder", [])]
+             f"(`python -m embedserve.studies.cpu_paths`, {res['date']}).", ""]
+    if res.get("matmuls"):
+        lines += ["| linear (T x K x N) | fp32 packed GFLOP/s | `torch._int_mm` GOP/s | fbgemm int8 linear GFLOP/s |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['fp32_packed']:.0f} | {r['int_mm']:.1f} | {r['fbgemm_int8_linear']:.0f} |"
+                  for r in res["matmuls"]]
+    if res.get("attention"):
+        lines += ["", "| encoder attention, 64 sequences of 8-159 tokens | C varlen kernel ms | per-sequence SDPA ms |",
+                  "|---|---|---|"]
+        lines += [f"| {r['heads']} heads, {r['tokens']} tokens | {r['c_kernel_ms']:.1f} | {r['sdpa_per_sequence_ms']:.1f} |"
+                  if "not_run" not in r else f"| not run: {r['not_run']} | | |" for r in res["attention"]]
+    if res.get("encoders"):
+        lines += ["", "| encoder in process, 4,096-token batches | attention | GELU | fp32 tokens/s | int8 tokens/s | "
+                  "int8 / fp32 | fp32 with SDPA tokens/s | kernel / SDPA | fp32 with the other GELU tokens/s | "
+                  "GELU choice / other |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} ({r['tokens']} tokens) | {r['attention']} | {r['gelu']} | {r['float32']:.0f} | "
+                  f"{r['int8']:.0f} | {r['int8_over_fp32']:.2f}× | {r['float32_sdpa']:.0f} | {r['kernel_over_sdpa_fp32']:.2f}× "
+                  f"| {r['float32_other_gelu']:.0f} | {r['gelu_choice_over_other']:.2f}× |" for r in res["encoders"]]
+    if res.get("decoder"):
+        lines += ["", "| SmolLM2 decode step, fp32, 128-token prompts | as run (glue + gemv) ms/step | packed matmul "
+                  "instead of gemv | torch ops instead of glue | gemv speedup | glue speedup |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['sequences']} sequences | " + " | ".join(f"{r['ms_per_step'][n]:.1f}" for n in DECODER_PATHS)
+                  + f" | {r['gemv_speedup']:.2f}× | {r['glue_speedup']:.2f}× |" if "not_run" not in r
+                  else f"| not run: {r['not_run']} | | | | | |" for r in res.get("decoder", [])]
+    if res.get("sampler"):
+        lines += ["", "| sampler, 16 x 49,152 logits | batched (engine) ms | per-row sort + multinomial ms | speedup |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['batched_ms']:.2f} | {r['per_row_ms']:.2f} | {r['speedup']:.2f}× |"
+                  for r in res["sampler"]]
     return "\n".join(lines)
 
 
@@ -204,18 +264,25 @@ def main(argv=None) -> int:
     from embedserve.precision import cpu_flags, cpu_model
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="result file [default: results/cpu_paths-<flags>.json]")
+    ap.add_argument("--only", default=None, help="comma-separated sections to run (matmuls, attention, encoders, "
+                    "decoder, sampler) [default: all]")
     args = ap.parse_args(argv)
+    sections = {"matmuls": matmuls, "attention": attention, "encoders": encoders, "decoder": decoder,
+                "sampler": sampler}
+    chosen = [x.strip() for x in args.only.split(",")] if args.only else list(sections)
+    unknown = sorted(set(chosen) - set(sections))
+    if unknown:
+        ap.error(f"--only {','.join(unknown)}: choose from {', '.join(sections)}")
     warnings.filterwarnings("ignore")
     model, flags = cpu_model(), cpu_flags()
     shown = sorted(f for f in flags if f.startswith(("avx", "amx")))
     res = {"date": time.strftime("%Y-%m-%d"), "cpu": model, "flags": shown, "threads": torch.get_num_threads(),
            "int8_kernel_chosen": int8_kernel()}
-    res["matmuls"] = matmuls()
-    res["attention"] = attention()
-    res["encoders"] = encoders()
-    res["decoder"] = decoder()
+    for name in chosen:
+        res[name] = sections[name]()
     kind = "avx512" if "avx512f" in flags else "avx2"
-    out = Path(args.out) if args.out else RESULTS / f"cpu_paths-{kind}.json"
+    suffix = "" if not args.only else "-" + "-".join(chosen)
+    out = Path(args.out) if args.out else RESULTS / f"cpu_paths-{kind}{suffix}.json"
     out.write_text(json.dumps(res, indent=2) + "\n")
     md = markdown(res)
     out.with_suffix(".md").write_text(md + "\n")
