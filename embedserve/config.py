@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import MISSING, Field, dataclass, field, fields
 
-from kernels.compute import ComputePaths
+from kernels.compute import ComputePaths, env_bool
 
 from .errors import ConfigError
 
@@ -68,10 +68,12 @@ def check_value(f: Field, value) -> None:
     m, name = f.metadata, flag(f.name)
     if value is None:
         return
-    if isinstance(value, bool) or isinstance(m.get("choices"), tuple) and value in m["choices"]:
+    if isinstance(value, bool):
         return
-    if m.get("choices") and value not in m["choices"]:
-        raise ConfigError(f"{name} {value!r}: choose one of {', '.join(map(str, m['choices']))}")
+    if m.get("choices"):
+        if value not in m["choices"]:
+            raise ConfigError(f"{name} {value!r}: choose one of {', '.join(map(str, m['choices']))}")
+        return
     if isinstance(value, str):
         if len(value) > 4096:
             raise ConfigError(f"{name}: the value is {len(value)} characters long; at most 4096")
@@ -181,6 +183,10 @@ class EmbedConfig(Section):
         Section.__post_init__(self)
         if not self.models:
             raise ConfigError("--model names no model; pass a bundled name or a local directory")
+        self.check_queue()
+
+    def check_queue(self) -> None:
+        """ConfigError where a full batch could never queue (once the batch budget is known)."""
         if self.max_batch_tokens is not None and self.max_queued_tokens < self.max_batch_tokens:
             raise ConfigError(f"--max-queued-tokens {self.max_queued_tokens} is below --max-batch-tokens "
                               f"{self.max_batch_tokens}: a full batch could never queue; raise it")
@@ -271,7 +277,7 @@ class ServerConfig:
             self.embed.max_batch_tokens = 16384 if gpu else 4096
         if self.decode.max_num_batched_tokens is None:
             self.decode.max_num_batched_tokens = 8192 if gpu else 512
-        EmbedConfig.__post_init__(self.embed)        # again, with the device's default budget
+        self.embed.check_queue()                     # again, with the device's default budget
         if self.decode.max_model_len is not None:
             self.decode.check_model_len(self.decode.max_model_len)
 
@@ -324,9 +330,6 @@ def check_api_key(key: str, where: str) -> str:
     return key
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def env_default(name: str, default, kind: str | None = None, choices: tuple | None = None):
     """`EMBEDSERVE_<NAME>` overrides a field's default, converted to the field's type (`kind`,
     the dataclass annotation, else the default's type); a value that does not convert, or is
@@ -339,9 +342,10 @@ def env_default(name: str, default, kind: str | None = None, choices: tuple | No
         raise ConfigError(f"{var}={raw!r}: choose one of {', '.join(map(str, choices))}")
     kind = kind or type(default).__name__
     if kind == "bool":
-        if raw.strip().lower() not in _TRUE + _FALSE:
-            raise ConfigError(f"{var}={raw!r} is not a boolean; set it to one of {', '.join(_TRUE + _FALSE)}")
-        return raw.strip().lower() in _TRUE
+        try:
+            return env_bool(var, raw)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     for typ, what in ((int, "a whole number"), (float, "a number")):
         if kind.split(" |")[0] == typ.__name__:
             try:

@@ -63,22 +63,16 @@ def atomic_write_with(final: Path, writer: Callable[[Path], object]) -> None:
     """`writer(tmp)` fills a temp file (e.g. faiss.write_index), which is then fsynced and renamed.
     On any failure the temp file is removed; out of space is a `StorageFullError`."""
     tmp = temp_path(final)
-    try:
-        writer(tmp)
-        _check_simulated_room(tmp)
-        fsync_file(tmp)
-        os.replace(tmp, final)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if out_of_space(exc):
-            raise note_full(final, exc.strerror or str(exc)) from exc
-        raise
-    try:
+    with refused_when_full(final):
+        try:
+            writer(tmp)
+            _check_simulated_room(tmp)
+            fsync_file(tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(final.parent)
-    except OSError as exc:
-        if out_of_space(exc):
-            raise note_full(final, exc.strerror or str(exc)) from exc
-        raise
     note_written(final)
 
 
@@ -139,6 +133,18 @@ def out_of_space(exc: BaseException) -> bool:
     recorded as a StorageFullError?"""
     return (isinstance(exc, OSError) and not isinstance(exc, StorageFullError)
             and exc.errno in (errno.ENOSPC, errno.EDQUOT))
+
+
+@contextlib.contextmanager
+def refused_when_full(path: str | os.PathLike, outcome: str = "this write was not applied") -> Iterator[None]:
+    """Inside the block, the OS's out of space (see `out_of_space`) becomes the typed
+    StorageFullError for `path` (`note_full`); any other error passes through as it is."""
+    try:
+        yield
+    except OSError as exc:
+        if out_of_space(exc):
+            raise note_full(path, exc.strerror or str(exc), outcome) from exc
+        raise
 
 
 def volume_of(path: str | os.PathLike) -> str:

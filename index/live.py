@@ -64,9 +64,9 @@ class LiveIndexes:
             if ix is None:
                 ix = self.store.open(name, version=version)
                 self._open[name] = ix
-            self._leases[ix] = self._leases.get(ix, 0) + 1
+            self._hold(ix)
         if doomed is not None:
-            doomed.close(snapshot=False)
+            self._close_replaced(doomed)
         if identity is not None:
             try:
                 ix.manifest.check(identity, "open")
@@ -88,6 +88,10 @@ class LiveIndexes:
             self._replaced.discard(ix)
         self._close_replaced(ix)
 
+    def _hold(self, ix: Index) -> None:
+        """One more lease on `ix` (under the lock)."""
+        self._leases[ix] = self._leases.get(ix, 0) + 1
+
     def _retire(self, ix: Index) -> Index | None:
         """Take `ix` out of service (under the lock): returned to be closed now if no lease holds
         it, else closed by the release of its last lease."""
@@ -100,7 +104,7 @@ class LiveIndexes:
         # No snapshot: the version is no longer the live one (a migration retired it, or the index
         # is being deleted); what it applied is in its doc store and replayed if it is opened again.
         ix.close(snapshot=False)
-        logger.info("index %s/%s: closed (replaced, last lease released)", ix.name, ix.version)
+        logger.info("index %s/%s: closed (replaced; no request holds it any more)", ix.name, ix.version)
 
     def open_versions(self) -> list[tuple[str, str, int]]:
         """(name, version, leases) of every version held open: the live ones and the replaced
@@ -130,7 +134,7 @@ class LiveIndexes:
         with self._lock:
             ix = self._open.get(name)
             if ix is not None and ix.version == m.version:
-                self._leases[ix] = self._leases.get(ix, 0) + 1
+                self._hold(ix)
             else:
                 ix = None
         if ix is None:
@@ -147,7 +151,7 @@ class LiveIndexes:
             ix = self._open.pop(name, None)
             doomed = self._retire(ix) if ix is not None else None
         if doomed is not None:
-            doomed.close(snapshot=False)
+            self._close_replaced(doomed)
         self.store.delete(name)
 
     def close_all(self) -> None:

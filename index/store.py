@@ -22,7 +22,7 @@ from .errors import ConflictError, NotFoundError, ValidationError
 
 from .core import Index
 from .docstore import DB_NAME, DocStore
-from .durable import TMP_PREFIX, atomic_write, clean_temp, fsync_dir, note_full, out_of_space, temp_path
+from .durable import TMP_PREFIX, atomic_write, clean_temp, fsync_dir, refused_when_full, temp_path
 from .manifest import MANIFEST, DenseConfig, Manifest, ModelIdentity
 
 logger = logging.getLogger(__name__)
@@ -127,21 +127,20 @@ class IndexStore:
             raise ConflictError(f"index {name!r} already exists; pick another name or delete it first",
                                 param="name", code="index_exists")
         tmp = temp_path(final)
+        # mkdir or rename with no room: the typed 507, nothing created
         try:
-            tmp.mkdir()
-            self._init_version(tmp / "v1", name, "v1", identity, dense or DenseConfig())
-            atomic_write(tmp / CURRENT, b"v1\n")
-            fsync_dir(tmp)
-            try:
-                os.rename(tmp, final)      # fails if `final` appeared meanwhile: no silent merge
-            except OSError as exc:
-                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise ConflictError(f"index {name!r} already exists", param="name", code="index_exists") from None
-                raise
-        except OSError as exc:
-            if out_of_space(exc):          # mkdir or rename with no room: the typed 507, nothing created
-                raise note_full(final, exc.strerror or str(exc), f"index {name!r} was not created") from exc
-            raise
+            with refused_when_full(final, f"index {name!r} was not created"):
+                tmp.mkdir()
+                self._init_version(tmp / "v1", name, "v1", identity, dense or DenseConfig())
+                atomic_write(tmp / CURRENT, b"v1\n")
+                fsync_dir(tmp)
+                try:
+                    os.rename(tmp, final)      # fails if `final` appeared meanwhile: no silent merge
+                except OSError as exc:
+                    if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                        raise ConflictError(f"index {name!r} already exists", param="name",
+                                            code="index_exists") from None
+                    raise
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -156,12 +155,10 @@ class IndexStore:
         final = self.version_dir(name, version)
         tmp = temp_path(final)
         try:
-            self._init_version(tmp, name, version, identity, dense or DenseConfig(**self.manifest(name).dense_index))
-            os.rename(tmp, final)
-        except OSError as exc:
-            if out_of_space(exc):
-                raise note_full(final, exc.strerror or str(exc), f"no version of {name!r} was added") from exc
-            raise
+            with refused_when_full(final, f"no version of {name!r} was added"):
+                self._init_version(tmp, name, version, identity,
+                                   dense or DenseConfig(**self.manifest(name).dense_index))
+                os.rename(tmp, final)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

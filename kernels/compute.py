@@ -17,6 +17,15 @@ from typing import Iterator
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
+def env_bool(var: str, raw: str) -> bool:
+    """The boolean an environment value spells (1/true/yes/on, 0/false/no/off, any case), or a
+    ValueError naming the variable. The one reading of booleans for every EMBEDSERVE_* variable."""
+    value = raw.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{var}={raw!r} is not a boolean; set it to one of {', '.join(_TRUE + _FALSE)}")
+    return value in _TRUE
+
+
 @dataclass(frozen=True, slots=True)
 class ComputePaths:
     """The compute-path switches (each a flag `--<name>` and `EMBEDSERVE_<NAME>`)."""
@@ -59,13 +68,7 @@ class ComputePaths:
             raw = os.environ.get(var)
             if raw is None:
                 continue
-            raw = raw.strip().lower()
-            if f.metadata.get("choices"):
-                values[f.name] = raw
-            elif raw in _TRUE + _FALSE:
-                values[f.name] = raw in _TRUE
-            else:
-                raise ValueError(f"{var}={raw!r} is not a boolean; set one of {', '.join(_TRUE + _FALSE)}")
+            values[f.name] = raw.strip().lower() if f.metadata.get("choices") else env_bool(var, raw)
         try:
             return cls(**values)
         except ValueError as exc:
