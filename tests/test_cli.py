@@ -62,9 +62,11 @@ def test_plan_names_the_dtype_serve_loads(tmp_path, minilm_dir, monkeypatch):
     server agree on the precision (read back from /v1/models)."""
     from embedserve import precision
     from embedserve.models.embedding_model import fingerprint_dir
+    from kernels import compute
 
     monkeypatch.setenv("EMBEDSERVE_HOME", str(tmp_path))
-    monkeypatch.setenv("EMBEDSERVE_FAST_BF16", "1")              # the servers this starts read it
+    monkeypatch.setenv("EMBEDSERVE_FAST_BF16", "1")              # the plans and servers this starts read it,
+    monkeypatch.setattr(compute, "_current", compute.ComputePaths(fast_bf16="1"))  # and so does this process
     env = dict(os.environ)
     args = ("--model", "all-MiniLM-L6-v2", "--generate-model", "none", "--dtype", "auto")
     r = _run("plan", *args, env=env)
