@@ -252,8 +252,28 @@ class IndexConfig(Section):
     """Where the named indexes live and how they search."""
 
     index_dir: str | None = opt(None, "root of the named indexes (default $EMBEDSERVE_HOME/indexes)")
+    index_url: str | None = opt(None, "keep the indexes in PostgreSQL + pgvector instead of --index-dir: "
+                                      "postgresql://user:password@host:5432/db; every replica given the same URL "
+                                      "shares them (pip install 'embedserve[postgres]')", secret=True)
+    index_schema: str = opt("embedserve", "with --index-url: the schema of embedserve's tables")
+    index_pool_size: int = opt(16, "with --index-url: most database connections this process opens", lo=1, hi=1024)
     faiss_threads: int = opt(1, "OpenMP threads per FAISS search (1: searches are single queries and more "
                                 "threads spin against the embed engine's)", lo=1, hi=1024)
+
+    def __post_init__(self):
+        Section.__post_init__(self)
+        if self.index_url is not None and self.index_url.strip() == "":
+            self.index_url = None
+        if self.index_url is not None and not self.index_url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError("--index-url: give a PostgreSQL URL (postgresql://user@host:5432/db), or leave it out "
+                              "to keep the indexes on local disk under --index-dir")
+        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", self.index_schema):
+            raise ConfigError(f"--index-schema {self.index_schema!r}: use 1-63 lower-case letters, digits or '_', "
+                              "not starting with a digit")
+
+    @property
+    def backend(self) -> str:
+        return "postgres" if self.index_url else "local"
 
 
 SECTIONS: dict[str, type] = {"http": HTTPConfig, "compute": ComputeConfig, "paths": ComputePaths,

@@ -66,6 +66,11 @@ class Index:
         return self.manifest.version
 
     @property
+    def key(self) -> str:
+        """What `IndexStore.live` names this version by."""
+        return self.version
+
+    @property
     def lock(self) -> threading.RLock:
         """Held by every read and write of this object; hold it to see one consistent state."""
         return self._lock
@@ -181,7 +186,7 @@ class Index:
             for i, (d, s) in enumerate(zip(dense, sparse)):
                 if d is None and s is None:
                     continue
-                self._check_vectors(i, d, s)
+                check_vectors(self.manifest, i, d, s)
             change = self.docs.upsert(docs, dense, sparse)
             self._apply(change)
             self._maybe_snapshot()
@@ -196,28 +201,6 @@ class Index:
             self._apply(change)
             self._maybe_snapshot()
         return change
-
-    def _check_vectors(self, i: int, d, s) -> None:
-        m = self.manifest
-        if d is None or s is None:
-            raise ValidationError(f"document {i} needs both its dense vector and its {m.sparse} terms",
-                                  param="documents")
-        d = np.asarray(d)
-        if d.shape != (m.dimension,):
-            raise ConflictError(f"document {i}: dimension mismatch: the index has {m.dimension}, the vector has "
-                                f"{d.shape[-1] if d.ndim else 0}", param="dimension")
-        if not np.isfinite(d).all():
-            raise ValidationError(f"document {i}: the dense vector has NaN or infinite values", param="documents")
-        norm = float(np.linalg.norm(d))
-        if m.normalize and abs(norm - 1.0) > NORM_TOLERANCE:
-            raise ConflictError(f"document {i}: normalization mismatch: the index holds unit vectors "
-                                f"(normalize=True), this vector has norm {norm:.6f}", param="normalization")
-        if norm == 0.0:
-            raise ValidationError(f"document {i}: the dense vector is all zeros", param="documents")
-        ids, w = s
-        if len(ids) != len(w) or len(np.unique(ids)) != len(ids) or (len(w) and not np.isfinite(w).all()):
-            raise ValidationError(f"document {i}: sparse terms need unique ids and finite weights",
-                                  param="documents")
 
     # ----------------------------------------------------------------- search
     def search(self, query: search_mod.Query, identity: ModelIdentity) -> list[search_mod.Hit]:
@@ -368,3 +351,25 @@ def validate_documents(docs: list[Document]) -> None:
             raise ValidationError(f"document {i}: contains an unpaired UTF-16 surrogate; send valid Unicode",
                                   param="documents") from None
 
+
+def check_vectors(m: Manifest, i: int, d, s) -> None:
+    """Refuse document `i`'s vectors unless they fit the manifest (both parts, its dimension, finite, its norm)."""
+    if d is None or s is None:
+        raise ValidationError(f"document {i} needs both its dense vector and its {m.sparse} terms",
+                              param="documents")
+    d = np.asarray(d)
+    if d.shape != (m.dimension,):
+        raise ConflictError(f"document {i}: dimension mismatch: the index has {m.dimension}, the vector has "
+                            f"{d.shape[-1] if d.ndim else 0}", param="dimension")
+    if not np.isfinite(d).all():
+        raise ValidationError(f"document {i}: the dense vector has NaN or infinite values", param="documents")
+    norm = float(np.linalg.norm(d))
+    if m.normalize and abs(norm - 1.0) > NORM_TOLERANCE:
+        raise ConflictError(f"document {i}: normalization mismatch: the index holds unit vectors "
+                            f"(normalize=True), this vector has norm {norm:.6f}", param="normalization")
+    if norm == 0.0:
+        raise ValidationError(f"document {i}: the dense vector is all zeros", param="documents")
+    ids, w = s
+    if len(ids) != len(w) or len(np.unique(ids)) != len(ids) or (len(w) and not np.isfinite(w).all()):
+        raise ValidationError(f"document {i}: sparse terms need unique ids and finite weights",
+                              param="documents")

@@ -98,6 +98,11 @@ class DocStore:
     def close(self) -> None:
         self.conn.close()
 
+    @property
+    def source(self) -> str:
+        """Where a worker process reads these documents (`index.backend.read_documents`)."""
+        return str(self.path)
+
     # ------------------------------------------------------------------ state
     def _meta(self, key: str) -> int:
         return int(self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0])
@@ -272,25 +277,16 @@ class DocStore:
     def filter_labels(self, flt: dict) -> np.ndarray:
         """Labels of documents whose metadata matches every key (scalar: equal; list: one of)."""
         where, params = [], []
-        for key, value in flt.items():
-            if not isinstance(key, str) or not key or any(c in key for c in '"\\'):
-                raise ValidationError(f"filter key {key!r} must be a non-empty string without quotes or "
-                                      "backslashes", param="filter")
+        for key, values in filter_terms(flt):
             path = f'$."{key}"'
-            values = value if isinstance(value, list) else [value]
-            if not values:
-                raise ValidationError(f"filter {key!r} lists no values; give at least one", param="filter")
             parts = []
             for v in values:
                 if v is None:
                     parts.append("json_extract(metadata, ?) IS NULL")
                     params.append(path)
-                elif isinstance(v, (str, int, float, bool)):
+                else:
                     parts.append("json_extract(metadata, ?) = ?")
                     params += [path, v]
-                else:
-                    raise ValidationError(f"filter {key!r}: values are strings, numbers, booleans or null "
-                                          f"(or a list of them), not {type(v).__name__}", param="filter")
             where.append("(" + " OR ".join(parts) + ")")
         q = "SELECT label FROM docs" + (" WHERE " + " AND ".join(where) if where else "")
         return np.array([r[0] for r in self.conn.execute(q, params)], dtype=np.int64)
@@ -326,6 +322,26 @@ class DocStore:
 
     def integrity(self) -> str:
         return self.conn.execute("PRAGMA quick_check").fetchone()[0]
+
+
+def filter_terms(flt: dict) -> list[tuple[str, list]]:
+    """A metadata filter as (key, accepted values), checked: every key a non-empty string
+    without quotes or backslashes; values strings, numbers, booleans or null (a scalar, or a
+    non-empty list of them: one of). Every backend reads filters through this."""
+    out = []
+    for key, value in flt.items():
+        if not isinstance(key, str) or not key or any(c in key for c in '"\\'):
+            raise ValidationError(f"filter key {key!r} must be a non-empty string without quotes or "
+                                  "backslashes", param="filter")
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise ValidationError(f"filter {key!r} lists no values; give at least one", param="filter")
+        for v in values:
+            if v is not None and not isinstance(v, (str, int, float, bool)):
+                raise ValidationError(f"filter {key!r}: values are strings, numbers, booleans or null "
+                                      f"(or a list of them), not {type(v).__name__}", param="filter")
+        out.append((key, values))
+    return out
 
 
 def _chunks(items: list, n: int):

@@ -1,6 +1,6 @@
 """The index library's own errors. Each says what to change; `param` names the offending field
 and `code` is a stable machine-readable reason. A service maps these kinds to its own statuses
-(embedserve's HTTP layer: invalid 400, not found 404, conflict 409, corrupt 500, storage full 507)."""
+(embedserve's HTTP layer: invalid 400, not found 404, conflict 409, corrupt 500, backend unavailable 503, storage full 507)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,17 @@ class RetiredError(IndexLibraryError):
 
     code = "version_retired"
     retry_after = 1
+
+
+class BackendUnavailableError(IndexLibraryError):
+    """The index backend (a PostgreSQL database) cannot be reached now, or timed out: nothing of
+    the request was applied, and the same request succeeds once it is back."""
+
+    code = "index_backend_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 2, **kw):
+        super().__init__(message, **kw)
+        self.retry_after = max(1, int(retry_after))
 
 
 class StorageFullError(IndexLibraryError, OSError):

@@ -1,5 +1,6 @@
-"""The indexes a long-running process keeps open: one per name, following `CURRENT`, so a
-version swap (a reindex migration) is picked up on the next access.
+"""The indexes a long-running process keeps open: one per name, following the live version
+(`CURRENT` on disk, the `indexes` row in PostgreSQL), read on every access, so a version swap
+(a reindex migration, made by any process) is picked up on the next request.
 
 Requests hold the version they use by a lease (`with live.lease(name) as ix:`, or `acquire` /
 `release`). A version `CURRENT` moved away from (or an index being deleted) leaves the open set
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Iterator
 
 from .core import Index
-from .docstore import DB_NAME, read_counts
 from .manifest import ModelIdentity
 from .store import IndexStore
 
@@ -25,11 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 class LiveIndexes:
-    """The store under `root` and its open indexes (thread-safe)."""
+    """A store and its open indexes (thread-safe): the local one under `root`, or `store` (any
+    backend's, e.g. `index.backend.open_store(url)`'s)."""
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self._store: IndexStore | None = None
+    def __init__(self, root: str | Path | None = None, store=None):
+        self.root = Path(root) if root is not None else None
+        self._store = store
         self._open: dict[str, Index] = {}
         self._leases: dict[Index, int] = {}    # leases held on each open or replaced version
         self._replaced: set[Index] = set()     # out of the open set, closed when their last lease goes
@@ -53,11 +54,11 @@ class LiveIndexes:
     def acquire(self, name: str, identity: ModelIdentity | None = None) -> Index:
         """Lease the live version of `name`, (re)opened when `CURRENT` moved; refused on
         mismatch. Every `acquire` is paired with one `release` of the index it returned."""
-        version = self.store.current(name)
+        version, key = self.store.live(name)
         doomed = None
         with self._lock:
             ix = self._open.get(name)
-            if ix is not None and ix.version != version:
+            if ix is not None and ix.key != key:
                 logger.info("index %s: current moved %s -> %s; reopening", name, ix.version, version)
                 doomed = self._retire(self._open.pop(name))
                 ix = None
@@ -138,7 +139,7 @@ class LiveIndexes:
             else:
                 ix = None
         if ix is None:
-            return read_counts(self.store.version_dir(name, m.version) / DB_NAME)
+            return self.store.counts(name, m.version)
         try:
             return ix.counts()
         finally:
@@ -163,3 +164,6 @@ class LiveIndexes:
             ix.close()
         for ix in replaced:
             ix.close(snapshot=False)
+        close = getattr(self._store, "close", None)       # a database store's connection pool
+        if close is not None:
+            close()

@@ -138,17 +138,27 @@ def _hybrid(query: Query, dense: DenseIndex, sparse: SparseIndex, docs: DocStore
     missing = [lab for lab in cands if lab not in d_score]
     for lab, vec in docs.dense_for(missing).items():
         d_score[lab] = float(vec @ query.dense)
-    fusion = query.fusion or ("weighted" if sparse.kind == "lexical_weights" else "rrf")
+    s_max = float(s_scores.max()) if len(s_scores) else 0.0
+    return fuse(query, sparse.kind, d_top, s_top, d_score, s_score, s_max)
+
+
+def fuse(query: Query, kind: str, d_top: list[tuple[int, float]], s_top: list[tuple[int, float]],
+         d_score: dict[int, float], s_score: dict[int, float], s_max: float) -> list[tuple[int, float, dict]]:
+    """The hybrid ranking of the candidates of both sides (`d_top`, `s_top`, best first), from
+    their exact scores on each side; `s_max` is the query's best sparse score (BM25-like scores
+    are divided by it in the weighted sum). Every backend fuses here."""
+    k = query.top_k
+    cands = list(dict.fromkeys([lab for lab, _ in d_top] + [lab for lab, _ in s_top]))
+    fusion = query.fusion or ("weighted" if kind == "lexical_weights" else "rrf")
     fused = {}
+    wd, ws = query.weights
     if fusion == "weighted":
-        wd, ws = query.weights
         scale = 1.0
-        if sparse.kind == "bm25" and len(s_scores):
-            scale = 1.0 / max(float(s_scores.max()), 1e-9)
+        if kind != "lexical_weights" and s_max > 0:
+            scale = 1.0 / max(s_max, 1e-9)
         for lab in cands:
             fused[lab] = (wd * d_score.get(lab, 0.0) + ws * scale * s_score.get(lab, 0.0)) / (wd + ws)
     else:
-        wd, ws = query.weights
         d_rank = {lab: r for r, (lab, _) in enumerate(d_top, 1)}
         s_rank = {lab: r for r, (lab, _) in enumerate(s_top, 1)}
         for lab in cands:

@@ -21,7 +21,7 @@ from pathlib import Path
 from .errors import ConflictError, NotFoundError, ValidationError
 
 from .core import Index
-from .docstore import DB_NAME, DocStore
+from .docstore import DB_NAME, DocStore, read_counts
 from .durable import TMP_PREFIX, atomic_write, clean_temp, fsync_dir, refused_when_full, temp_path
 from .manifest import MANIFEST, DenseConfig, Manifest, ModelIdentity
 
@@ -50,7 +50,9 @@ def check_version(version) -> str:
 
 
 class IndexStore:
-    """All indexes under one root directory."""
+    """All indexes under one root directory (the `local` backend; `index.pg.PgStore` is the other)."""
+
+    backend = "local"
 
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser()
@@ -58,6 +60,9 @@ class IndexStore:
         self._real_root = self.root.resolve()
         # Only old leftovers: another process may be creating or deleting an index right now.
         clean_temp(self.root, min_age_s=STALE_TEMP_S)
+
+    def describe(self) -> str:
+        return f"local ({self.root})"
 
     # ------------------------------------------------------------------ paths
     def _inside(self, path: Path, what: str) -> Path:
@@ -99,6 +104,15 @@ class IndexStore:
             raise NotFoundError(f"index {name!r} does not exist; create it first, or list the indexes "
                                 "there are", param="name", code="index_not_found") from None
         return check_version(raw)
+
+    def live(self, name: str) -> tuple[str, str]:
+        """(live version, the key an open version of it has: `Index.key`)."""
+        version = self.current(name)
+        return version, version
+
+    def counts(self, name: str, version: str) -> dict[str, int]:
+        """A version's live counts from its doc store (whether or not it is open here)."""
+        return read_counts(self.version_dir(name, version) / DB_NAME)
 
     def versions(self, name: str) -> list[str]:
         d = self.index_dir(name)

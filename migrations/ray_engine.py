@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from index.docstore import Document, read_documents
+from index.backend import read_documents
+from index.docstore import Document
 from index.embedder import DocumentVectors
 
 from .errors import MigrationError
@@ -45,7 +45,7 @@ def _read_shards(batch: dict[str, np.ndarray], db: str) -> dict[str, np.ndarray]
     """Ray Data stage 1 (a task on the driver's node): the documents of each shard (a range of write sequences)."""
     rows: list[tuple[int, Document]] = []
     for after, upto in zip(batch["after"], batch["upto"]):
-        rows.extend(read_documents(Path(db), int(after), int(upto)))
+        rows.extend(read_documents(db, int(after), int(upto)))
     return {"seq": np.array([r[0] for r in rows], dtype=np.int64),
             "id": np.array([r[1].id for r in rows], dtype=object),
             "text": np.array([r[1].text for r in rows], dtype=object),
@@ -107,7 +107,7 @@ class RayEngine:
         self.actors = actors or max(1, int(cpus // cpus_per_actor))
         logger.info("ray: %s CPUs, %d embedding actors of %s CPU each", cpus, self.actors, cpus_per_actor)
 
-    def batches(self, db: Path, seqs: np.ndarray, after: int, batch_docs: int,
+    def batches(self, db: str, seqs: np.ndarray, after: int, batch_docs: int,
                 fingerprint: str) -> Iterator[tuple[list[tuple[int, Document]], DocumentVectors]]:
         """The live documents last written at these sequence numbers, embedded, in write order,
         `batch_docs` at a time (one rewritten meanwhile is left to the next catch-up pass)."""

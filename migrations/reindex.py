@@ -73,6 +73,9 @@ class Checkpoint:
     def save(self, version_dir: Path) -> None:
         _write_in_version(version_dir, CHECKPOINT, json.dumps(asdict(self), indent=2))
 
+    def save_to(self, version_dir: Path) -> Callable[["Checkpoint"], None]:
+        return lambda ck: ck.save(version_dir)
+
     @classmethod
     def load(cls, version_dir: Path) -> "Checkpoint | None":
         try:
@@ -122,13 +125,13 @@ def _target(store: IndexStore, name: str, live: str, embedder) -> tuple[str, Che
     return version, ck
 
 
-def _copy(old: Index, new: Index, embedder, ck: Checkpoint, new_dir: Path, batch_docs: int,
+def _copy(old: Index, new: Index, embedder, ck: Checkpoint, save: Callable[[Checkpoint], None], batch_docs: int,
           on_batch: Callable[[int], None] | None, engine=None) -> int:
-    """Copy every live document written after the checkpoint, embedded in process or (bulk) by
-    `engine` (a `RayEngine`); returns how many were read."""
+    """Copy every live document written after the checkpoint (either backend's), embedded in process
+    or (bulk) by `engine` (a `RayEngine`), `save`-ing the checkpoint per batch; returns how many."""
     if engine is not None:
         seqs = old.docs.writes_after(ck.copied_upto)
-        batches = engine.batches(old.path / DB_NAME, seqs, ck.copied_upto, batch_docs,
+        batches = engine.batches(old.docs.source, seqs, ck.copied_upto, batch_docs,
                                  embedder.identity.fingerprint)
     else:
         batches = _local_batches(old, ck, batch_docs)
@@ -147,7 +150,7 @@ def _copy(old: Index, new: Index, embedder, ck: Checkpoint, new_dir: Path, batch
                               embedder.identity)
             ck.embedded += len(docs)
         ck.copied_upto = rows[-1][0]
-        ck.save(new_dir)                      # after the batch is committed: at most this batch twice
+        save(ck)                              # after the batch is committed: at most this batch twice
         total += len(rows)
         if on_batch:
             on_batch(len(rows))
@@ -192,7 +195,8 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
             # the first pass copies everything; the next ones catch up with writes made meanwhile,
             # until the gap is small (the last one runs under the write lock at the swap)
             for p in range(max_passes):
-                moved = (_copy(old, new, embedder, ck, new_dir, batch_docs, on_batch, engine if p == 0 else None)
+                moved = (_copy(old, new, embedder, ck, ck.save_to(new_dir), batch_docs, on_batch,
+                               engine if p == 0 else None)
                          + _drop_deleted(old, new))
                 if moved <= batch_docs:
                     break
@@ -237,7 +241,7 @@ def _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_d
     """The last catch-up and the swap, with writers to the live version held off; returns the
     ledger entry `begin()` wrote ("swapping") just before the swap."""
     with _writers_held_off(old.path):
-        _copy(old, new, embedder, ck, new_dir, batch_docs, None)
+        _copy(old, new, embedder, ck, ck.save_to(new_dir), batch_docs, None)
         _drop_deleted(old, new)
         n_old, n_new = old.docs.counts()["documents"], new.docs.counts()["documents"]
         if n_old != n_new:
@@ -345,11 +349,11 @@ def _carry_back(store: IndexStore, name: str, live: str, parent: str, since: int
             _write_in_version(parent_dir, RETIRED, f"{live}\n")
 
 
-def writes_since_swap(store: IndexStore, name: str) -> dict:
+def writes_since_swap(store: IndexStore, name: str, history: list[dict] | None = None) -> dict:
     """What a rollback of `name` would carry back: the documents written on the live version
     since the swap (`written`), of which `texts` have a text the parent does not hold (these need
-    the parent's model, `model`), and the documents deleted since."""
-    history = ledger.history(store.index_dir(name))      # settles a swap a killed run left
+    the parent's model, `model`), and the documents deleted since. (`history`: the ledger, if read.)"""
+    history = ledger.history(store.index_dir(name)) if history is None else history  # settles a killed swap
     live = store.current(name)
     last = _last_migration(history, name, live)
     cur = store.open(name, version=live)

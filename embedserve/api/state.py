@@ -37,7 +37,13 @@ class AppState:
 
     def __post_init__(self):
         self.keys = KeyRing(self.config)
-        self.indexes = LiveIndexes(index_root(self.config.index.index_dir))
+        ic = self.config.index
+        if ic.index_url:
+            from index.backend import open_store
+            self.indexes = LiveIndexes(store=open_store(ic.index_url, schema=ic.index_schema,
+                                                        pool_size=ic.index_pool_size))
+        else:
+            self.indexes = LiveIndexes(index_root(ic.index_dir))
 
     @property
     def embedder(self) -> EmbedEngine | None:

@@ -60,9 +60,11 @@ class ModelList(BaseModel):
 def build_router(state: AppState) -> APIRouter:
     """The operational routes, bound to the app's state."""
     router = APIRouter()
-    root = state.indexes.root
+    root = state.indexes.root                   # None: the indexes are in a database, not on this disk
 
     def storage() -> tuple[int, bool]:
+        if root is None:
+            return 0, False
         st = volume_state(root)
         return st.refused, st.full
     state.metrics.watch_storage(storage)
@@ -91,8 +93,8 @@ def build_router(state: AppState) -> APIRouter:
         if state.draining:
             return error_response(UnavailableError("the server is shutting down (draining)", retry_after=5))
         if state.ready:
-            st = volume_state(root)
-            if st.full:
+            st = volume_state(root) if root is not None else None
+            if st is not None and st.full:
                 # Writes would get 507 here; searches and embeddings still answer.
                 since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.full_since))
                 return error_response(UnavailableError(

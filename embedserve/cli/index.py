@@ -30,8 +30,7 @@ def register(subparsers) -> None:
 
     def cmd(name, func, help_):
         c = sub.add_parser(name, help=help_)
-        c.add_argument("--index-dir", default=os.environ.get("EMBEDSERVE_INDEX_DIR"),
-                       help="index root [env EMBEDSERVE_INDEX_DIR; default $EMBEDSERVE_HOME/indexes]")
+        add_store_flags(c)
         c.set_defaults(func=lambda args: _run(func, args))
         return c
 
@@ -98,9 +97,24 @@ def _run(func, args) -> int:
         return 1
 
 
-def _store(args):
-    from index.store import IndexStore
-    return IndexStore(index_root(args.index_dir))
+def add_store_flags(c) -> None:
+    """Where the indexes are: a directory (local backend) or a PostgreSQL database."""
+    c.add_argument("--index-dir", default=os.environ.get("EMBEDSERVE_INDEX_DIR"),
+                   help="index root [env EMBEDSERVE_INDEX_DIR; default $EMBEDSERVE_HOME/indexes]")
+    c.add_argument("--index-url", default=os.environ.get("EMBEDSERVE_INDEX_URL"),
+                   help="keep the indexes in PostgreSQL + pgvector instead: postgresql://user@host:5432/db "
+                        "(pip install 'embedserve[postgres]') [env EMBEDSERVE_INDEX_URL]")
+    c.add_argument("--index-schema", default=os.environ.get("EMBEDSERVE_INDEX_SCHEMA", "embedserve"),
+                   help="with --index-url: the schema of embedserve's tables [env EMBEDSERVE_INDEX_SCHEMA]")
+
+
+def store_from_args(args):
+    """The store `--index-url` / `--index-dir` name."""
+    from index.backend import open_store
+    return open_store(args.index_url, index_root(args.index_dir), schema=args.index_schema, pool_size=4)
+
+
+_store = store_from_args
 
 
 def _load_embedder(spec_name: str, dtype: str):
@@ -259,16 +273,17 @@ def cmd_delete(args) -> int:
 
 
 def cmd_history(args) -> int:
-    from migrations import ledger
+    from migrations import for_store
     store = _store(args)
     store.current(args.name)
-    _print(ledger.history(store.index_dir(args.name)))
+    _print(for_store(store).history(store, args.name))
     return 0
 
 
 def cmd_prune(args) -> int:
-    from migrations.reindex import prune
+    from migrations import for_store
     if args.keep < 0:
         raise ValidationError("--keep must be 0 or more")
-    _print({"index": args.name, "deleted_versions": prune(_store(args), args.name, args.keep)})
+    store = _store(args)
+    _print({"index": args.name, "deleted_versions": for_store(store).prune(store, args.name, args.keep)})
     return 0

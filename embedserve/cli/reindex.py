@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 
 from index.errors import DescribedError
 
-from ..paths import index_root
+from .index import add_store_flags, store_from_args
 
 
 def register(subparsers) -> None:
@@ -32,8 +31,7 @@ def register(subparsers) -> None:
     p.add_argument("--ray-actors", type=int, default=None,
                    help="embedding actors, each loading the model once [default: cluster CPUs / --ray-cpus-per-actor]")
     p.add_argument("--ray-cpus-per-actor", type=float, default=1.0, help="CPUs (and torch threads) per actor")
-    p.add_argument("--index-dir", default=os.environ.get("EMBEDSERVE_INDEX_DIR"),
-                   help="index root [env EMBEDSERVE_INDEX_DIR; default $EMBEDSERVE_HOME/indexes]")
+    add_store_flags(p)
     p.set_defaults(func=cmd_reindex)
 
 
@@ -43,12 +41,12 @@ def _embedder(model: str, dtype: str):
 
 
 def cmd_reindex(args) -> int:
-    from index.store import IndexStore
-    from migrations.reindex import reindex
+    from migrations import for_store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store = IndexStore(index_root(args.index_dir))
     try:
+        store = store_from_args(args)
+        reindex = for_store(store).reindex
         if args.rollback:
             _print(_rollback(store, args.name, args.dtype, args.batch_docs))
             return 0
@@ -90,14 +88,15 @@ def _engine(args, precision: str):
 def _rollback(store, name: str, dtype: str, batch_docs: int) -> dict:
     """Roll back, loading the parent version's model only when documents written since the swap
     need re-embedding (else it is a move of `CURRENT`, under a second)."""
-    from migrations.reindex import rollback, writes_since_swap
-    pending = writes_since_swap(store, name)
+    from migrations import for_store
+    mig = for_store(store)
+    pending = mig.writes_since_swap(store, name)
     embedder = None
     if pending["texts"]:
         logging.getLogger(__name__).info("%d document(s) written since the swap need %s: loading it",
                                          pending["texts"], pending["model"])
         embedder = _embedder(pending["model"], dtype)
-    return rollback(store, name, embedder, batch_docs=batch_docs)
+    return mig.rollback(store, name, embedder, batch_docs=batch_docs)
 
 
 def _old_embedder(store, name: str, dtype: str):

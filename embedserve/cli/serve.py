@@ -70,22 +70,13 @@ def prepare(cfg: ServerConfig) -> tuple[list[str], list, tuple | None]:
     from kernels import compute
     from ..memory_plan import embed_memory_plan
     from ..models.registry import resolve_model
-    from ..paths import index_root
 
     if cfg.http.api_key_file:
         from ..api.auth import read_key_file
         read_key_file(cfg.http.api_key_file)          # ConfigError: unreadable, or no key in it
     compute.configure(cfg.paths)
     set_search_threads(cfg.index.faiss_threads)
-    root = index_root(cfg.index.index_dir)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--index-dir {root}: cannot create it ({exc.strerror or exc}); "
-                          "point it at a writable folder") from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise ConfigError(f"--index-dir {root}: not writable by this user; point it at a writable folder")
-    lines = ["compute paths: " + ", ".join(cfg.paths.lines())]
+    lines = ["compute paths: " + ", ".join(cfg.paths.lines()), _index_backend(cfg)]
     resolved, embed_bytes = [], 0
     for model in cfg.embed.models:
         name, path = resolve_model(model)
@@ -100,6 +91,30 @@ def prepare(cfg: ServerConfig) -> tuple[list[str], list, tuple | None]:
         lines += [f"generate model {gname} ({gpath})", *gplan.lines()]
         decoder = (gname, gpath, gplan)
     return lines, resolved, decoder
+
+
+def _index_backend(cfg: ServerConfig) -> str:
+    """Check where the indexes go (before the port binds) and say it in one line."""
+    from ..paths import index_root
+    ic = cfg.index
+    if ic.index_url:
+        from index.errors import ValidationError
+        from index.pg.db import import_psycopg, redact
+        try:
+            import_psycopg()
+        except ValidationError as exc:
+            raise ConfigError(f"--index-url: {exc.message}") from None
+        # the database may be down now: the server starts anyway, and index requests are 503 until it is back
+        return f"index backend: postgres ({redact(ic.index_url)}, schema {ic.index_schema}, pool {ic.index_pool_size})"
+    root = index_root(ic.index_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--index-dir {root}: cannot create it ({exc.strerror or exc}); "
+                          "point it at a writable folder") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError(f"--index-dir {root}: not writable by this user; point it at a writable folder")
+    return f"index backend: local ({root})"
 
 
 def cmd_serve(args) -> int:

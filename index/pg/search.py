@@ -1,0 +1,130 @@
+"""Search of one version in PostgreSQL: dense | sparse | hybrid with a metadata filter, in the
+caller's snapshot (one REPEATABLE READ transaction).
+
+    dense    ORDER BY dense <#> q (negative inner product: vectors are unit length, so this is
+             cosine) — pgvector's HNSW when the manifest says `hnsw` (`hnsw.ef_search` from the
+             manifest, at least top_k; iterative scans when filtered, so a filter never starves
+             the result), an exact scan for `flat`
+    sparse   lexical_weights: sparsevec inner product, exact (pgvector's HNSW on sparsevec
+             stops at 1,000 non-zeros, more than a long document's weights); no sparse head:
+             Postgres full-text ranking `ts_rank(lexemes, q, 1)` over the model's tokens,
+             candidates from a GIN index
+    hybrid   the top candidates of each side, both sides' exact scores for every candidate, then
+             the same fusion as the local backend (`index.search.fuse`)
+
+Filters are jsonb containment (`metadata @> {"key": value}`, a GIN index), OR-ed within a key;
+null matches a missing key or a JSON null, as in the local backend. Keys and values travel as
+parameters: nothing of a query is formatted into SQL.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ..docstore import filter_terms
+from ..search import Hit, Query, fuse
+from .vectors import SPARSE_DIM, tsquery
+
+
+def _where(flt: dict | None) -> tuple[str, list]:
+    """The filter as a SQL condition over `metadata`, and its parameters."""
+    if not flt:
+        return "TRUE", []
+    clauses, params = [], []
+    for key, values in filter_terms(flt):
+        parts = []
+        for v in values:
+            if v is None:
+                parts.append("(NOT metadata ? %s OR metadata -> %s = 'null'::jsonb)")
+                params += [key, key]
+            else:
+                parts.append("metadata @> %s::jsonb")
+                params.append(json.dumps({key: v}))
+        clauses.append("(" + " OR ".join(parts) + ")")
+    return " AND ".join(clauses), params
+
+
+def _q_dense(ix, q: np.ndarray):
+    return ix._vec(np.asarray(q, dtype=np.float32))
+
+
+def _q_sparse(ix, s):
+    from pgvector import SparseVector
+    ids, w = s
+    if not ix._lexical:
+        return tsquery(ids)
+    return SparseVector({int(i): float(x) for i, x in zip(ids, w)}, SPARSE_DIM)
+
+
+def _dense_top(ix, cur, q, k: int, where: str, params: list) -> list[tuple[int, float]]:
+    m = ix.manifest
+    if m.dense_index.get("kind") == "hnsw":
+        cur.execute("SELECT set_config('hnsw.ef_search', %s, true)",
+                    (str(min(1000, max(int(m.dense_index.get("ef_search", 40)), k))),))
+        if where != "TRUE":
+            cur.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)")
+    cur.execute(ix._sql("SELECT label, -(dense <#> %s) AS s FROM {t} WHERE dense IS NOT NULL AND "
+                        + where + " ORDER BY dense <#> %s LIMIT %s"), [q, *params, q, k])
+    rows = [(int(r[0]), float(r[1])) for r in cur.fetchall()]
+    return sorted(rows, key=lambda r: (-r[1], r[0]))       # relaxed order: exact order of what came back
+
+
+def _sparse_top(ix, cur, q, k: int, where: str, params: list) -> list[tuple[int, float]]:
+    if ix._lexical:
+        sql = ("SELECT label, s FROM (SELECT label, -(lexical <#> %s) AS s FROM {t} WHERE lexical IS NOT NULL AND "
+               + where + ") c WHERE s > 0 ORDER BY s DESC, label LIMIT %s")
+    else:
+        sql = ("SELECT label, ts_rank(lexical, to_tsquery('simple', %s), 1) AS s FROM {t} "
+               "WHERE lexical @@ to_tsquery('simple', %s) AND " + where + " ORDER BY s DESC, label LIMIT %s")
+        params = [q, *params]
+    cur.execute(ix._sql(sql), [q, *params, k])
+    return [(int(r[0]), float(r[1])) for r in cur.fetchall()]
+
+
+def _exact(ix, cur, labels: list[int], qd, qs) -> tuple[dict, dict]:
+    """Both sides' exact scores of `labels`."""
+    side = "-(lexical <#> %s)" if ix._lexical else "ts_rank(lexical, to_tsquery('simple', %s), 1)"
+    cur.execute(ix._sql(f"SELECT label, -(dense <#> %s), {side} FROM {{t}} WHERE label = ANY(%s)"),
+                [qd, qs, labels])
+    d, s = {}, {}
+    for lab, ds, ss in cur.fetchall():
+        if ds is not None:
+            d[int(lab)] = float(ds)
+        if ss is not None and float(ss) > 0:
+            s[int(lab)] = float(ss)
+    return d, s
+
+
+def run(ix, cur, query: Query) -> list[Hit]:
+    """Execute `query` in the caller's transaction (the manifest is checked)."""
+    where, params = _where(query.filter)
+    k = query.top_k
+    qd = _q_dense(ix, query.dense) if query.dense is not None else None
+    qs = _q_sparse(ix, query.sparse) if query.sparse is not None else None
+    if qs == "":                                    # a query with no tokens matches nothing lexically
+        qs = None
+    if query.mode == "dense":
+        ranked = [(lab, s, {"dense": s}) for lab, s in _dense_top(ix, cur, qd, k, where, params)]
+    elif query.mode == "sparse":
+        ranked = [] if qs is None else [(lab, s, {"sparse": s}) for lab, s in _sparse_top(ix, cur, qs, k, where, params)]
+    else:
+        n = max(4 * k, 50)
+        d_top = _dense_top(ix, cur, qd, n, where, params)
+        s_top = [] if qs is None else _sparse_top(ix, cur, qs, n, where, params)
+        cands = list(dict.fromkeys([lab for lab, _ in d_top] + [lab for lab, _ in s_top]))
+        if qs is None:
+            d_score, s_score = dict(d_top), {}
+        else:
+            d_score, s_score = _exact(ix, cur, cands, qd, qs)
+        s_max = max((s for _, s in s_top), default=0.0)
+        ranked = fuse(query, ix.manifest.sparse, d_top, s_top, d_score, s_score, s_max)
+    if not ranked:
+        return []
+    cur.execute(ix._sql("SELECT label, ext_id, text, metadata FROM {t} WHERE label = ANY(%s)"),
+                ([lab for lab, _, _ in ranked],))
+    found = {int(r[0]): r[1:] for r in cur.fetchall()}
+    return [Hit(found[lab][0], float(score), found[lab][1], found[lab][2],
+                {k_: float(v) for k_, v in parts.items()}, lab)
+            for lab, score, parts in ranked if lab in found]
