@@ -1,6 +1,7 @@
 """The index routes in-process (FastAPI TestClient, lifespan included): create / list / info /
 upsert / delete / search, OpenAI-style error envelopes, 400 for names leaving the root, 409 for
-an index made by another model, and documents that survive a restart."""
+an index made by another model, and documents that survive a restart — on both backends (local
+files, and a real PostgreSQL + pgvector with `index_url`) where the behaviour is the backend's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from embedserve.serve import build_app
 from embedserve.config import ServerConfig
+from index.backend import open_store
 from index.manifest import ModelIdentity
 from index.store import IndexStore
 
@@ -28,8 +30,27 @@ def root(tmp_path):
     return tmp_path / "indexes"
 
 
+@pytest.fixture(params=["local", pytest.param("postgres", marks=pytest.mark.postgres)])
+def backend(request, root) -> dict:
+    """Where the indexes go: the config fields of each backend."""
+    if request.param == "local":
+        return {"index_dir": str(root)}
+    return {"index_dir": str(root), "index_url": request.getfixturevalue("pg_url")}
+
+
+def raw_store(backend: dict):
+    """The backend's store, opened beside the server (another process would do the same)."""
+    return open_store(backend.get("index_url"), backend["index_dir"])
+
+
 @pytest.fixture
-def client(root, minilm_model):
+def client(backend, minilm_model):
+    with TestClient(build_app(ServerConfig.of(**backend), model=minilm_model)) as c:
+        yield c
+
+
+@pytest.fixture
+def local_client(root, minilm_model):
     with TestClient(build_app(ServerConfig.of(index_dir=str(root)), model=minilm_model)) as c:
         yield c
 
@@ -121,7 +142,8 @@ def test_encoded_traversal_in_the_url_is_refused(client, path):
     assert r.status_code == 404 or r.json()["error"]["code"] == "invalid_index_name"
 
 
-def test_link_leaving_the_root_is_400(client, root, tmp_path, minilm_model):
+def test_link_leaving_the_root_is_400(local_client, root, tmp_path, minilm_model):
+    client = local_client
     IndexStore(tmp_path / "elsewhere").create("secret", ModelIdentity.from_spec(minilm_model.spec)).close()
     root.mkdir(parents=True, exist_ok=True)
     os.symlink(tmp_path / "elsewhere" / "secret", root / "escape")
@@ -131,9 +153,9 @@ def test_link_leaving_the_root_is_400(client, root, tmp_path, minilm_model):
 
 @pytest.mark.parametrize("field,change", [("fingerprint", {"fingerprint": "0" * 64}), ("dimension", {"dimension": 768}),
                                           ("model", {"model": "multilingual-e5-small"})])
-def test_index_of_another_model_is_409(client, root, minilm_model, field, change):
+def test_index_of_another_model_is_409(client, backend, minilm_model, field, change):
     other = dataclasses.replace(ModelIdentity.from_spec(minilm_model.spec), **change)
-    IndexStore(root).create("foreign", other).close()
+    raw_store(backend).create("foreign", other).close()
     e = _err(client.post("/v1/search", json={"index": "foreign", "query": "hello"}), 409, "manifest_mismatch")
     assert e["param"] == field and repr(change[field]) in e["message"]
     _err(client.post("/v1/indexes/foreign/documents", json={"documents": DOCS}), 409, "manifest_mismatch")
@@ -164,12 +186,15 @@ def test_bad_documents_are_400(client, documents):
     assert client.get("/v1/indexes/kb").json()["live_counts"]["documents"] == 0
 
 
-def test_documents_survive_a_restart(root, minilm_model):
-    app = build_app(ServerConfig.of(index_dir=str(root)), model=minilm_model)
+def test_documents_survive_a_restart(backend, minilm_model):
+    app = build_app(ServerConfig.of(**backend), model=minilm_model)
     with TestClient(app) as c:
         _create_and_fill(c)
-    with TestClient(build_app(ServerConfig.of(index_dir=str(root)), model=minilm_model)) as c:
+    with TestClient(build_app(ServerConfig.of(**backend), model=minilm_model)) as c:
         hits = c.post("/v1/search", json={"index": "kb", "query": "vector similarity search library"}).json()["data"]
         assert hits[0]["id"] == "faiss"
-    m = IndexStore(root).manifest("kb")                       # the shutdown snapshot holds every write
-    assert m.counts == {"documents": 4, "dense": 4, "sparse": 4} and m.files
+    store = raw_store(backend)
+    assert store.counts("kb", store.current("kb")) == {"documents": 4, "dense": 4, "sparse": 4}
+    if store.backend == "local":
+        m = IndexStore(backend["index_dir"]).manifest("kb")      # the shutdown snapshot holds every write
+        assert m.counts == {"documents": 4, "dense": 4, "sparse": 4} and m.files
