@@ -266,7 +266,7 @@ class PgDocs:
 
     def hashes(self, ext_ids: list[str]) -> dict[str, tuple[str, str]]:
         rows = self._all("SELECT ext_id, content_hash, metadata FROM {t} WHERE ext_id = ANY(%s)", (list(ext_ids),))
-        return {r[0]: (r[1], r[2]) for r in rows}
+        return {r[0]: (r[1], json.dumps(r[2], ensure_ascii=False, sort_keys=True)) for r in rows}   # as the local one
 
     def ids(self) -> set[str]:
         return {r[0] for r in self._all("SELECT ext_id FROM {t}")}

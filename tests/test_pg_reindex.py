@@ -1,0 +1,168 @@
+"""`embedserve reindex` on PostgreSQL (`--index-url`), as a user runs it: all-MiniLM-L6-v2 ->
+multilingual-e5-small over real Wikipedia summaries, through the CLI in a process of its own —
+the swap, the ledger, the old version retired, `--rollback` carrying back what was written
+since, `index prune`; SIGKILLed at 10, 50 and 99 % of the copy and resumed to the same result
+with each document embedded once; SIGKILLed right before and right after the swap's commit
+(nothing moved and nothing recorded, or both); a second migration refused while one runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from embedserve.embedders import ModelEmbedder
+from index.backend import open_store
+from index.docstore import Document
+from index.errors import RetiredError
+from index.ops import search_text, upsert_documents
+from migrations.pg_reindex import migration_lock
+from migrations.reindex import FAULT_INJECT_ENV
+
+from helpers import server_env, wiki_docs
+
+pytestmark = pytest.mark.postgres
+N = 60
+
+
+@pytest.fixture
+def wiki(pg_url, minilm_model):
+    """A MiniLM index `wiki` of N documents in a fresh database; its URL."""
+    emb = ModelEmbedder(minilm_model)
+    ix = open_store(pg_url).create("wiki", emb.identity)
+    upsert_documents(ix, wiki_docs(N), emb)
+    return pg_url
+
+
+def cli(url: str, *args: str, fault: str | None = None, wait: bool = True, batch: int = 10):
+    env = server_env({FAULT_INJECT_ENV: fault} if fault else None)
+    env.pop(FAULT_INJECT_ENV, None) if not fault else None
+    cmd = [sys.executable, "-m", "embedserve.cli", *args, "--index-url", url]
+    if args[0] == "reindex":
+        cmd += ["--dtype", "float32", "--batch-docs", str(batch), "--sample", "60"]
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def to_e5(url: str, **kw):
+    return cli(url, "reindex", "--index", "wiki", "--to-model", "multilingual-e5-small", **kw)
+
+
+def history(url: str) -> list[tuple[str, str, str]]:
+    p = cli(url, "index", "history", "wiki")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    return [(e["kind"], e["parent"], e["version"]) for e in json.loads(p.stdout)]
+
+
+def test_reindex_swap_ledger_rollback_and_prune(wiki, minilm_model, e5_model):
+    p = to_e5(wiki)
+    assert p.returncode == 0, p.stdout + p.stderr
+    entry = json.loads(p.stdout[p.stdout.index("{"):])
+    assert entry["swapped"] and entry["version"] == "v2" and entry["gate"]["ok"] and entry["documents"] == N
+    assert entry["gate"]["self_hit_rate"] >= 0.99 and entry["embedded"] == N
+    store = open_store(wiki)
+    assert store.current("wiki") == "v2" and history(wiki) == [("reindex", "v1", "v2")]
+    e5 = ModelEmbedder(e5_model)
+    docs = wiki_docs(N)
+    live = store.open("wiki", e5.identity)
+    assert search_text(live, e5, docs[7].text, top_k=1)[0].id == docs[7].id
+    with pytest.raises(RetiredError):                         # the old version takes no more writes
+        upsert_documents(store.open("wiki", version="v1"), [Document("late", "too late")], ModelEmbedder(minilm_model))
+    # written on the new version after the swap: rolled back with the old model
+    upsert_documents(live, [Document("new", "Der Rhein ist ein Strom in Mitteleuropa."),
+                            Document(docs[0].id, docs[0].text, {"changed": True})], e5)
+    live.delete([docs[1].id], e5.identity)
+    p = cli(wiki, "reindex", "--index", "wiki", "--rollback")
+    assert p.returncode == 0, p.stdout + p.stderr
+    back = json.loads(p.stdout[p.stdout.index("{"):])
+    assert back["kind"] == "rollback" and back["version"] == "v1" and back["carried"] == 3
+    assert store.current("wiki") == "v1"
+    assert history(wiki) == [("reindex", "v1", "v2"), ("rollback", "v2", "v1")]
+    old = store.open("wiki", ModelEmbedder(minilm_model).identity)
+    assert old.counts()["documents"] == N
+    assert search_text(old, ModelEmbedder(minilm_model), "Der Rhein ist ein Strom in Mitteleuropa.", top_k=1)[0].id == "new"
+    assert json.loads(old.docs.hashes([docs[0].id])[docs[0].id][1]) == {"changed": True}
+    assert docs[1].id not in old.docs.ids()
+    p = cli(wiki, "index", "prune", "wiki", "--keep", "0")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["deleted_versions"] == ["v2"] and store.versions("wiki") == ["v1"]
+    with store.db.transaction() as cur:                       # its table went with it
+        cur.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'embedserve' AND tablename LIKE 'docs_%%'")
+        assert cur.fetchone()[0] == 1
+
+
+@pytest.mark.parametrize("at", [0.1, 0.5, 0.99])
+def test_killed_during_the_copy_resumes_to_the_same_result(wiki, at):
+    store = open_store(wiki)
+    proc = to_e5(wiki, wait=False, batch=3)
+    target = max(1, int(N * at))
+    t0 = time.monotonic()
+    try:
+        while True:
+            ck = store.checkpoint("wiki", "v2") if "v2" in store.versions("wiki") else None
+            copied = len(store.open("wiki", version="v2").docs.ids()) if ck else 0
+            if copied >= target:
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() - t0 < 240
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert store.current("wiki") == "v1" and history(wiki) == []
+    p = to_e5(wiki)
+    assert p.returncode == 0, p.stdout + p.stderr
+    entry = json.loads(p.stdout[p.stdout.index("{"):])
+    assert entry["version"] == "v2" and entry["documents"] == N and store.versions("wiki") == ["v1", "v2"]
+    assert entry["embedded"] <= N + 3                          # each document once, the batch in flight at most twice
+    assert store.open("wiki").counts() == {"documents": N, "dense": N, "sparse": N}
+    assert history(wiki) == [("reindex", "v1", "v2")]
+
+
+def test_killed_at_the_swap_leaves_all_or_nothing(wiki):
+    store = open_store(wiki)
+    p = to_e5(wiki, fault="before_swap")
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    assert store.current("wiki") == "v1" and history(wiki) == []          # nothing moved, nothing recorded
+    assert store.checkpoint("wiki", "v2")["finished"] is False
+    p = to_e5(wiki, fault="after_swap")
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    assert store.current("wiki") == "v2" and history(wiki) == [("reindex", "v1", "v2")]   # both
+    assert store.checkpoint("wiki", "v2")["finished"] is True
+    p = to_e5(wiki)
+    assert p.returncode == 1 and "already built" in p.stderr, p.stderr
+    p = cli(wiki, "reindex", "--index", "wiki", "--rollback", fault="before_swap")
+    assert p.returncode == -signal.SIGKILL
+    assert store.current("wiki") == "v2" and len(history(wiki)) == 1
+    p = cli(wiki, "reindex", "--index", "wiki", "--rollback")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert store.current("wiki") == "v1" and history(wiki) == [("reindex", "v1", "v2"), ("rollback", "v2", "v1")]
+    with store.db.transaction() as cur:                   # exactly one ledger row per applied swap
+        cur.execute("SELECT count(*) FROM embedserve.ledger")
+        assert cur.fetchone()[0] == 2
+
+
+def test_a_second_migration_is_refused_while_one_runs(wiki):
+    store = open_store(wiki)
+    with migration_lock(store, "wiki"):
+        p = to_e5(wiki)
+    assert p.returncode == 1 and "already running" in p.stderr, p.stderr
+    assert store.current("wiki") == "v1" and "Traceback" not in p.stderr
+    p = cli(wiki, "reindex", "--index", "nope", "--to-model", "multilingual-e5-small")
+    assert p.returncode == 1 and "does not exist" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_cli_refuses_a_bad_url_and_an_unreachable_database(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "embedserve.cli", "index", "list", "--index-url", "mysql://x"],
+                       env=server_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "PostgreSQL URL" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "embedserve.cli", "index", "list", "--index-url",
+                        "postgresql://nobody@127.0.0.1:1/none"], env=server_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "unreachable" in p.stderr and "Traceback" not in p.stderr, p.stderr
