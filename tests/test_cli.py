@@ -116,3 +116,18 @@ def test_generate_model_none_as_a_flag_plans_no_decoder():
     r = _run("plan", "--dtype", "float32", "--generate-model", "none")
     assert r.returncode == 0, r.stderr
     assert "memory plan (float32)" in r.stdout and "KV cache" not in r.stdout, r.stdout
+
+
+def test_plan_names_the_index_backend_without_its_password(tmp_path):
+    r = _run("plan", "--dtype", "float32", "--generate-model", "none", "--index-dir", str(tmp_path / "ix"))
+    assert r.returncode == 0 and f"index backend: local ({tmp_path / 'ix'})" in r.stdout, r.stdout + r.stderr
+    # the database need not be up to plan (or to start: index requests are 503 until it is)
+    r = _run("plan", "--dtype", "float32", "--generate-model", "none",
+             "--index-url", "postgresql://app:s3cret@db.internal:5432/rag", "--index-schema", "rag_prod")
+    assert r.returncode == 0, r.stderr
+    assert "index backend: postgres (postgresql://app:***@db.internal:5432/rag, schema rag_prod" in r.stdout
+    assert "s3cret" not in r.stdout + r.stderr
+    for bad, says in ((("--index-url", "mysql://x/y"), "PostgreSQL URL"),
+                      (("--index-url", "postgresql://h/d", "--index-schema", "Bad-Name"), "--index-schema")):
+        r = _run("plan", "--generate-model", "none", *bad)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
