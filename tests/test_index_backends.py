@@ -3,7 +3,7 @@ through the one interface every caller uses (`index.backend.open_store`): upsert
 metadata-only writes and replacements with their write sequence, deletes from every part,
 metadata filters, the manifest refusing another model on open / write / search, versions,
 a second store (another replica) seeing every acknowledged write at once, FlagEmbedding's
-weighted hybrid on lexical weights, lexical search without a sparse head, vectors past 2,000
+weighted hybrid on lexical weights, BM25 without a sparse head (the same scores on both), vectors past 2,000
 dimensions, `verify`; and on PostgreSQL alone: a retired version refuses writes, the database
 gone is a retryable BackendUnavailableError and coming back needs nothing, identifiers that
 would break SQL are names like any other, and psycopg is not imported without a URL."""
@@ -190,9 +190,8 @@ def test_weighted_hybrid_is_flagembeddings_formula_on_lexical_weights(store):
 
 
 def test_lexical_search_without_a_sparse_head(store):
-    """No sparse head: the tokenizer's term counts (local: BM25; PostgreSQL: full-text ranking
-    over the same tokens). Either way a document holding more of the query's terms ranks higher,
-    and one holding none is not a sparse hit."""
+    """No sparse head: BM25 over the tokenizer's term counts. A document holding more of the
+    query's terms ranks higher, and one holding none is not a sparse hit."""
     ident = dataclasses.replace(IDENT, has_sparse=False, fingerprint="b" * 64)
     ix = store.create("t", ident)
     docs = {"both": ([5, 9], [2.0, 1.0]), "one": ([5, 11], [1.0, 1.0]), "none": ([1, 2], [1.0, 3.0])}
@@ -292,3 +291,33 @@ def test_psycopg_is_not_imported_without_a_postgres_url(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.postgres
+def test_bm25_on_postgres_scores_what_the_local_postings_score(pg_url, tmp_path):
+    """Without a sparse head both backends rank by the same Okapi BM25 (N, df and the average
+    length kept exact through adds, replacements and deletes): same scores, same order."""
+    ident = dataclasses.replace(IDENT, has_sparse=False, fingerprint="m" * 64)
+    rng = np.random.default_rng(3)
+
+    def counts(seed):
+        r = np.random.default_rng(seed)
+        ids = np.unique(r.integers(0, 30, r.integers(3, 12))).astype(np.int64)
+        return ids, np.ceil(r.random(len(ids)) * 4).astype(np.float32)
+    sides = [open_store(None, tmp_path / "ix").create("b", ident), open_store(pg_url).create("b", ident)]
+    for ix in sides:
+        ix.upsert([Document(f"d{i}", f"t{i}") for i in range(40)], [vec(i) for i in range(40)],
+                  [counts(i) for i in range(40)], ident)
+        ix.upsert([Document(f"d{i}", f"changed {i}") for i in range(5)], [vec(100 + i) for i in range(5)],
+                  [counts(100 + i) for i in range(5)], ident)
+        ix.delete([f"d{i}" for i in range(5, 12)], ident)
+    for _ in range(5):
+        q = (np.unique(rng.integers(0, 30, 4)).astype(np.int64), None)
+        q = (q[0], np.ones(len(q[0]), np.float32))
+        local, pg = ([(h.id, h.score) for h in ix.search(Query(sparse=q, mode="sparse", top_k=50), ident)]
+                     for ix in sides)
+        assert [i for i, _ in local] == [i for i, _ in pg] and local
+        assert [s for _, s in pg] == pytest.approx([s for _, s in local], rel=1e-4)
+        hyb = [[(h.id, h.score) for h in ix.search(Query(dense=vec(7), sparse=q, mode="hybrid", fusion="weighted",
+                                                        top_k=10), ident)] for ix in sides]
+        assert [i for i, _ in hyb[0]] == [i for i, _ in hyb[1]]

@@ -73,6 +73,8 @@ CREATE TABLE IF NOT EXISTS {schema}.versions (
     version text NOT NULL,
     manifest jsonb NOT NULL,
     seq bigint NOT NULL DEFAULT 0,
+    lex_n bigint NOT NULL DEFAULT 0,
+    lex_len double precision NOT NULL DEFAULT 0,
     retired_by text,
     checkpoint jsonb,
     created_at timestamptz NOT NULL DEFAULT now(),
@@ -191,6 +193,10 @@ class Database:
     def table(self, version_id: int):
         """The identifier of a version's document table (named by its numeric id, never by input)."""
         return self.sql.Identifier(self.schema, f"docs_{int(version_id)}")
+
+    def postings(self, version_id: int):
+        """The identifier of a BM25 version's postings table (token, label, tf)."""
+        return self.sql.Identifier(self.schema, f"lex_{int(version_id)}")
 
     def name(self, table: str):
         """One of embedserve's own tables (a fixed name) in the schema."""

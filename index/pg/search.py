@@ -7,8 +7,9 @@ caller's snapshot (one REPEATABLE READ transaction).
              the result), an exact scan for `flat`
     sparse   lexical_weights: sparsevec inner product, exact (pgvector's HNSW on sparsevec
              stops at 1,000 non-zeros, more than a long document's weights); no sparse head:
-             Postgres full-text ranking `ts_rank(lexemes, q, 1)` over the model's tokens,
-             candidates from a GIN index
+             Okapi BM25 (k1 1.2, b 0.75) over the model's tokens, the local backend's formula,
+             computed in SQL from the version's postings table (the query's terms only), document
+             frequencies counted there and N, the average length kept in the version's row
     hybrid   the top candidates of each side, both sides' exact scores for every candidate, then
              the same fusion as the local backend (`index.search.fuse`)
 
@@ -25,7 +26,8 @@ import numpy as np
 
 from ..docstore import filter_terms
 from ..search import Hit, Query, fuse
-from .vectors import SPARSE_DIM, tsquery
+from ..sparse import B, K1
+from .vectors import SPARSE_DIM
 
 
 def _where(flt: dict | None) -> tuple[str, list]:
@@ -50,12 +52,32 @@ def _q_dense(ix, q: np.ndarray):
     return ix._vec(np.asarray(q, dtype=np.float32))
 
 
-def _q_sparse(ix, s):
+def _q_sparse(ix, cur, s):
+    """The query's sparse side as SQL parameters: a sparsevec (lexical weights), or for BM25
+    the query terms with their weights and idf (from this snapshot's document frequencies)."""
     from pgvector import SparseVector
     ids, w = s
-    if not ix._lexical:
-        return tsquery(ids)
-    return SparseVector({int(i): float(x) for i, x in zip(ids, w)}, SPARSE_DIM)
+    if ix._lexical:
+        return SparseVector({int(i): float(x) for i, x in zip(ids, w)}, SPARSE_DIM)
+    ids = [int(i) for i in ids]
+    if not ids:
+        return None
+    cur.execute(ix._sql("SELECT lex_n, lex_len FROM {versions} WHERE id = %s"), (ix.id,))
+    n, total = cur.fetchone()
+    cur.execute(ix._sql("SELECT token, count(*) FROM {p} WHERE token = ANY(%s) GROUP BY token"), (ids,))
+    df = dict(cur.fetchall())
+    idf = [float(np.log1p((n - df.get(t, 0) + 0.5) / (df.get(t, 0) + 0.5))) for t in ids]
+    return ids, [float(x) for x in w], idf, float(total) / max(int(n), 1)
+
+
+_BM25 = ("SELECT p.label, sum(q.w * q.idf * p.tf * {k1p} / (p.tf + {k1} * (1 - {b} + {b} * d.lexical / %s))) AS s "
+         "FROM {{p}} p JOIN unnest(%s::int[], %s::float8[], %s::float8[]) AS q(token, w, idf) ON p.token = q.token "
+         "JOIN {{t}} d ON d.label = p.label WHERE ").format(k1p=K1 + 1, k1=K1, b=B)
+
+
+def _bm25_params(qs) -> list:
+    ids, w, idf, avgdl = qs
+    return [max(avgdl, 1e-9), ids, w, idf]
 
 
 def _dense_top(ix, cur, q, k: int, where: str, params: list) -> list[tuple[int, float]]:
@@ -73,27 +95,25 @@ def _dense_top(ix, cur, q, k: int, where: str, params: list) -> list[tuple[int, 
 
 def _sparse_top(ix, cur, q, k: int, where: str, params: list) -> list[tuple[int, float]]:
     if ix._lexical:
-        sql = ("SELECT label, s FROM (SELECT label, -(lexical <#> %s) AS s FROM {t} WHERE lexical IS NOT NULL AND "
-               + where + ") c WHERE s > 0 ORDER BY s DESC, label LIMIT %s")
+        cur.execute(ix._sql("SELECT label, s FROM (SELECT label, -(lexical <#> %s) AS s FROM {t} WHERE lexical IS NOT "
+                            "NULL AND " + where + ") c WHERE s > 0 ORDER BY s DESC, label LIMIT %s"), [q, *params, k])
     else:
-        sql = ("SELECT label, ts_rank(lexical, to_tsquery('simple', %s), 1) AS s FROM {t} "
-               "WHERE lexical @@ to_tsquery('simple', %s) AND " + where + " ORDER BY s DESC, label LIMIT %s")
-        params = [q, *params]
-    cur.execute(ix._sql(sql), [q, *params, k])
-    return [(int(r[0]), float(r[1])) for r in cur.fetchall()]
+        cur.execute(ix._sql(_BM25 + where + " GROUP BY p.label ORDER BY s DESC, p.label LIMIT %s"),
+                    [*_bm25_params(q), *params, k])
+    return [(int(r[0]), float(r[1])) for r in cur.fetchall() if float(r[1]) > 0]
 
 
 def _exact(ix, cur, labels: list[int], qd, qs) -> tuple[dict, dict]:
-    """Both sides' exact scores of `labels`."""
-    side = "-(lexical <#> %s)" if ix._lexical else "ts_rank(lexical, to_tsquery('simple', %s), 1)"
-    cur.execute(ix._sql(f"SELECT label, -(dense <#> %s), {side} FROM {{t}} WHERE label = ANY(%s)"),
-                [qd, qs, labels])
-    d, s = {}, {}
-    for lab, ds, ss in cur.fetchall():
-        if ds is not None:
-            d[int(lab)] = float(ds)
-        if ss is not None and float(ss) > 0:
-            s[int(lab)] = float(ss)
+    """Both sides' exact scores of `labels` (the sparse side only where it is positive)."""
+    cur.execute(ix._sql("SELECT label, -(dense <#> %s)" + (", -(lexical <#> %s)" if ix._lexical else "")
+                        + " FROM {t} WHERE label = ANY(%s)"), [qd, qs, labels] if ix._lexical else [qd, labels])
+    rows = cur.fetchall()
+    d = {int(r[0]): float(r[1]) for r in rows if r[1] is not None}
+    if ix._lexical:
+        s = {int(r[0]): float(r[2]) for r in rows if r[2] is not None and float(r[2]) > 0}
+    else:
+        cur.execute(ix._sql(_BM25 + "p.label = ANY(%s) GROUP BY p.label"), [*_bm25_params(qs), labels])
+        s = {int(r[0]): float(r[1]) for r in cur.fetchall() if float(r[1]) > 0}
     return d, s
 
 
@@ -102,9 +122,7 @@ def run(ix, cur, query: Query) -> list[Hit]:
     where, params = _where(query.filter)
     k = query.top_k
     qd = _q_dense(ix, query.dense) if query.dense is not None else None
-    qs = _q_sparse(ix, query.sparse) if query.sparse is not None else None
-    if qs == "":                                    # a query with no tokens matches nothing lexically
-        qs = None
+    qs = _q_sparse(ix, cur, query.sparse) if query.sparse is not None else None
     if query.mode == "dense":
         ranked = [(lab, s, {"dense": s}) for lab, s in _dense_top(ix, cur, qd, k, where, params)]
     elif query.mode == "sparse":

@@ -137,16 +137,22 @@ class PgStore:
         t = self.db.table(vid)
         sql = self.db.sql
         kind = dense_type(m.dimension)
-        lexical = "sparsevec" if m.sparse == "lexical_weights" else "tsvector"
+        weights = m.sparse == "lexical_weights"
+        # lexical weights: a sparsevec; BM25: the document's length (Σ term counts) here, its
+        # terms in a postings table of the version's own, read per query term like the local postings
         cur.execute(sql.SQL(
             "CREATE TABLE {t} (ext_id text PRIMARY KEY, label bigint NOT NULL UNIQUE, wseq bigint NOT NULL, "
             "text text NOT NULL, metadata jsonb NOT NULL, content_hash text NOT NULL, dense {kind}({dim}), "
             "lexical {lexical}, created_at double precision NOT NULL, updated_at double precision NOT NULL)").format(
-                t=t, kind=sql.SQL(kind), dim=sql.Literal(int(m.dimension)), lexical=sql.SQL(lexical)))
+                t=t, kind=sql.SQL(kind), dim=sql.Literal(int(m.dimension)),
+                lexical=sql.SQL("sparsevec" if weights else "real")))
         cur.execute(sql.SQL("CREATE INDEX ON {t} (wseq)").format(t=t))
         cur.execute(sql.SQL("CREATE INDEX ON {t} USING gin (metadata jsonb_path_ops)").format(t=t))
-        if lexical == "tsvector":
-            cur.execute(sql.SQL("CREATE INDEX ON {t} USING gin (lexical)").format(t=t))
+        if not weights:
+            lex = self.db.postings(vid)
+            cur.execute(sql.SQL("CREATE TABLE {p} (token integer NOT NULL, label bigint NOT NULL, tf real NOT NULL, "
+                                "PRIMARY KEY (token, label))").format(p=lex))
+            cur.execute(sql.SQL("CREATE INDEX ON {p} (label)").format(p=lex))
         if dense.kind == "hnsw":
             cur.execute(sql.SQL("CREATE INDEX ON {t} USING hnsw (dense {ops}) WITH (m = {m}, ef_construction = {ef})")
                         .format(t=t, ops=sql.SQL(f"{kind}_ip_ops"), m=sql.Literal(int(dense.hnsw_m)),
@@ -162,7 +168,7 @@ class PgStore:
                 raise NotFoundError(f"index {name!r} does not exist", param="name", code="index_not_found")
             cur.execute(self._sql("SELECT id FROM {versions} WHERE index_name = %s"), (name,))
             for (vid,) in cur.fetchall():
-                cur.execute(self.db.sql.SQL("DROP TABLE IF EXISTS {t}").format(t=self.db.table(vid)))
+                self._drop_tables(cur, vid)
             cur.execute(self._sql("DELETE FROM {indexes} WHERE name = %s"), (name,))
             cur.execute(self._sql("DELETE FROM {ledger} WHERE index_name = %s"), (name,))
         logger.info("deleted index %s", name)
@@ -173,7 +179,11 @@ class PgStore:
                     (name, version))
         row = cur.fetchone()
         if row is not None:
-            cur.execute(self.db.sql.SQL("DROP TABLE IF EXISTS {t}").format(t=self.db.table(row[0])))
+            self._drop_tables(cur, row[0])
+
+    def _drop_tables(self, cur, vid: int) -> None:
+        cur.execute(self.db.sql.SQL("DROP TABLE IF EXISTS {t}, {p}").format(t=self.db.table(vid),
+                                                                          p=self.db.postings(vid)))
 
     # ------------------------------------------------------------- migrations
     def checkpoint(self, name: str, version: str) -> dict | None:

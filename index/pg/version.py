@@ -3,8 +3,9 @@ marker, a migration's checkpoint) and a table of documents of its own:
 
     ext_id text PK · label bigint UNIQUE (the write that made its vectors) · wseq bigint (its last
     write, text or metadata) · text · metadata jsonb · content_hash · dense vector(d) (halfvec(d)
-    past 2,000 dimensions) · sparse sparsevec (the model's lexical weights) or lexemes tsvector
-    (the model's tokens, for indexes without a sparse head) · created_at, updated_at
+    past 2,000 dimensions) · lexical: the model's lexical weights as a sparsevec, or — for models
+    without a sparse head — the document's length in tokens, its term counts in a postings table
+    `lex_<id>` (token, label, tf) for BM25 · created_at, updated_at
 
 There is no in-memory state to replay: the table is the index (HNSW on `dense` with inner
 product when the manifest asks for `hnsw`, exact scans for `flat`). A write locks the version's
@@ -27,7 +28,7 @@ from ..errors import ConflictError, NotFoundError, RetiredError, ValidationError
 from ..manifest import Manifest, ModelIdentity
 from ..search import Hit, Query
 from .db import Database
-from .vectors import SPARSE_DIM, dense_type, lexemes
+from .vectors import SPARSE_DIM, dense_type
 
 @dataclass(slots=True)
 class VersionRow:
@@ -45,6 +46,7 @@ class PgIndex:
         self.id = row.id
         self.manifest = row.manifest
         self.table = db.table(row.id)
+        self.postings = db.postings(row.id)
         self.docs = PgDocs(self)
         self.backend = "postgres"
         if identity is not None:
@@ -71,7 +73,7 @@ class PgIndex:
         return f"postgres:{self.db.schema}.docs_{self.id}"
 
     def _sql(self, text: str):
-        return self.db.sql.SQL(text).format(t=self.table, versions=self.db.name("versions"))
+        return self.db.sql.SQL(text).format(t=self.table, p=self.postings, versions=self.db.name("versions"))
 
     def _vec(self, v):
         from pgvector import HalfVector
@@ -79,10 +81,11 @@ class PgIndex:
         return HalfVector(v) if self._half else v
 
     def _sparse_value(self, s: Sparse):
+        """The `lexical` column of a document: its lexical weights, or (BM25) its length in tokens."""
         from pgvector import SparseVector
         ids, w = s
         if not self._lexical:
-            return lexemes(ids, w)
+            return float(np.asarray(w, dtype=np.float64).sum())
         order = np.argsort(np.asarray(ids, dtype=np.int64))
         return SparseVector({int(ids[j]): float(w[j]) for j in order}, SPARSE_DIM)
 
@@ -92,7 +95,9 @@ class PgIndex:
         retiring it holds it), refuse a retired or deleted version, return (seq, manifest)."""
         cur.execute(self._sql("SELECT seq, manifest, retired_by FROM {versions} WHERE id = %s FOR UPDATE"),
                     (self.id,))
-        row = cur.fetchone()
+        return self._locked(cur.fetchone())
+
+    def _locked(self, row) -> tuple[int, Manifest]:
         if row is None:
             raise NotFoundError(f"index {self.name!r} version {self.version} was deleted; retry against the live "
                                 "version", code="index_not_found")
@@ -119,11 +124,12 @@ class PgIndex:
             for i, (d, s) in enumerate(zip(dense, sparse)):
                 if d is not None or s is not None:
                     check_vectors(manifest, i, d, s)
-            cur.execute(self._sql("SELECT ext_id, label, content_hash, metadata FROM {t} WHERE ext_id = ANY(%s)"),
+            cur.execute(self._sql("SELECT ext_id, label, content_hash, metadata, lexical FROM {t} WHERE ext_id = ANY(%s)"),
                         ([d.id for d in docs],))
             stored = {r[0]: r[1:] for r in cur.fetchall()}
             change = Change(base=seq, seq=seq)
-            meta_rows, rows = [], []
+            meta_rows, rows, postings = [], [], []
+            n_delta, len_delta = 0, 0.0
             for doc, d, s in zip(docs, dense, sparse):
                 old = stored.get(doc.id)
                 if old is not None and old[1] == content_hash(doc.text):
@@ -136,8 +142,13 @@ class PgIndex:
                     raise ConflictError(f"document {doc.id!r} changed while it was being embedded; retry the upsert",
                                         param="documents", code="concurrent_change")
                 seq += 1
+                lexical = self._sparse_value(s)
                 rows.append((doc.id, seq, seq, doc.text, json.dumps(doc.metadata, ensure_ascii=False),
-                             content_hash(doc.text), self._vec(d), self._sparse_value(s), now, now))
+                             content_hash(doc.text), self._vec(d), lexical, now, now))
+                if not self._lexical:
+                    postings += [(int(t), seq, float(w)) for t, w in zip(s[0], s[1])]
+                    n_delta += old is None
+                    len_delta += lexical - (float(old[3] or 0.0) if old is not None else 0.0)
                 if old is not None:
                     change.removed.append(int(old[0]))
                 change.outcomes[doc.id] = "added" if old is None else "replaced"
@@ -146,17 +157,28 @@ class PgIndex:
                 cur.executemany(self._sql("UPDATE {t} SET metadata = %s::jsonb, updated_at = %s, wseq = %s "
                                           "WHERE ext_id = %s"), meta_rows)
             if rows:
-                lexical = "%s" if self._lexical else "to_tsvector('simple', %s)"
                 cur.executemany(self._sql(
                     "INSERT INTO {t} (ext_id, label, wseq, text, metadata, content_hash, dense, lexical, created_at, "
-                    f"updated_at) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s, {lexical}, %s, %s) "
+                    "updated_at) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s, %s) "
                     "ON CONFLICT (ext_id) DO UPDATE SET label = EXCLUDED.label, wseq = EXCLUDED.wseq, "
                     "text = EXCLUDED.text, metadata = EXCLUDED.metadata, content_hash = EXCLUDED.content_hash, "
                     "dense = EXCLUDED.dense, lexical = EXCLUDED.lexical, updated_at = EXCLUDED.updated_at"), rows)
+            if not self._lexical:
+                self._write_postings(cur, change.removed, postings)
             if seq != change.base:
-                cur.execute(self._sql("UPDATE {versions} SET seq = %s WHERE id = %s"), (seq, self.id))
+                cur.execute(self._sql("UPDATE {versions} SET seq = %s, lex_n = lex_n + %s, lex_len = lex_len + %s "
+                                      "WHERE id = %s"), (seq, n_delta, len_delta, self.id))
             change.seq = seq
         return change
+
+    def _write_postings(self, cur, removed: list[int], rows: list[tuple[int, int, float]]) -> None:
+        """BM25: drop the postings of replaced or deleted labels, add the new ones (COPY)."""
+        if removed:
+            cur.execute(self._sql("DELETE FROM {p} WHERE label = ANY(%s)"), (removed,))
+        if rows:
+            with cur.copy(self._sql("COPY {p} (token, label, tf) FROM STDIN")) as copy:
+                for r in rows:
+                    copy.write_row(r)
 
     def delete(self, ext_ids: list[str], identity: ModelIdentity | None = None) -> Change:
         """Delete documents; unknown ids are reported as `missing`."""
@@ -165,18 +187,25 @@ class PgIndex:
             seq, manifest = self._lock_version(cur)
             if identity is not None:
                 manifest.check(identity, "write to")
-            cur.execute(self._sql("DELETE FROM {t} WHERE ext_id = ANY(%s) RETURNING ext_id, label"), (ext_ids,))
-            gone = dict(cur.fetchall())
+            cur.execute(self._sql("DELETE FROM {t} WHERE ext_id = ANY(%s) RETURNING ext_id, label, lexical"),
+                        (ext_ids,))
+            gone = {r[0]: r[1:] for r in cur.fetchall()}
             change = Change(base=seq, seq=seq)
             for ext_id in ext_ids:
                 if ext_id in gone:
                     seq += 1
-                    change.removed.append(int(gone[ext_id]))
+                    change.removed.append(int(gone[ext_id][0]))
                     change.outcomes[ext_id] = "deleted"
                 else:
                     change.outcomes[ext_id] = "missing"
+            n_delta = len_delta = 0
+            if not self._lexical and gone:
+                self._write_postings(cur, change.removed, [])
+                n_delta = -len(gone)
+                len_delta = -sum(float(v[1] or 0.0) for v in gone.values())
             if seq != change.base:
-                cur.execute(self._sql("UPDATE {versions} SET seq = %s WHERE id = %s"), (seq, self.id))
+                cur.execute(self._sql("UPDATE {versions} SET seq = %s, lex_n = lex_n + %s, lex_len = lex_len + %s "
+                                      "WHERE id = %s"), (seq, n_delta, len_delta, self.id))
             change.seq = seq
         return change
 
@@ -290,7 +319,7 @@ class PgDocs:
 
     def iter_docs(self, batch: int = 1024):
         """(label, ext_id, text, content_hash, dense, sparse) of every document, in batches;
-        `sparse` is None where the index keeps lexemes (BM25-like) rather than lexical weights."""
+        `sparse` is None for BM25 indexes (their terms are in the postings table)."""
         last = -1
         while True:
             rows = self._all("SELECT label, ext_id, text, content_hash, dense::real[], "
