@@ -153,8 +153,9 @@ def cmd_list(args) -> int:
     store = _store(args)
     for name in store.names():
         m = store.manifest(name)
+        live = store.counts(name, m.version)            # the doc store's (or the table's), not the last snapshot's
         print(f"{name}\t{m.version}\t{m.model}\t{m.dimension}d\t{m.dense_index['kind']}\t"
-              f"{m.counts.get('documents', 0)} documents")
+              f"{live['documents']} documents")
     return 0
 
 
