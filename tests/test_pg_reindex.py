@@ -194,3 +194,49 @@ def test_ray_engine_reads_the_shards_from_postgres(wiki, e5_model):
     assert got.keys() == docs.keys()
     want = ModelEmbedder(e5_model).embed_documents(list(docs.values())).dense
     assert max(float(np.abs(got[k] - w).max()) for k, w in zip(docs, want)) <= 1e-5
+
+
+class _RandomVectors:
+    """e5's identity and queries, random document vectors: a model that lost its weights."""
+
+    def __init__(self, real):
+        self.real, self.identity = real, real.identity
+
+    def embed_documents(self, texts):
+        import numpy as np
+
+        from index.embedder import DocumentVectors
+        out = self.real.embed_documents(texts)
+        rng = np.random.default_rng(len(texts))
+        dense = [v / np.linalg.norm(v) for v in rng.standard_normal((len(texts), self.identity.dimension)).astype("f4")]
+        return DocumentVectors(dense, out.sparse)
+
+    def embed_query(self, text, mode):
+        return self.real.embed_query(text, mode)
+
+
+def test_the_gate_refuses_and_the_live_version_keeps_serving(wiki, minilm_model, e5_model):
+    import numpy as np
+
+    from migrations.errors import GateFailed
+    from migrations.pg_reindex import reindex
+    store = open_store(wiki)
+    with pytest.raises(GateFailed) as exc:
+        reindex(store, "wiki", _RandomVectors(ModelEmbedder(e5_model)), batch_docs=30, sample=60)
+    assert "self_hit" in exc.value.message and "v1 stays live" in exc.value.message
+    assert store.current("wiki") == "v1" and store.history("wiki") == []
+    assert search_text(store.open("wiki"), ModelEmbedder(minilm_model), "glacier", top_k=3)
+    # vectors damaged in the table after they were written: the gate reads every one
+    e5 = ModelEmbedder(e5_model)
+    store.delete("wiki")
+    ix = store.create("wiki", ModelEmbedder(minilm_model).identity)
+    upsert_documents(ix, wiki_docs(N), ModelEmbedder(minilm_model))
+    dry = reindex(store, "wiki", e5, batch_docs=30, sample=60, dry_run=True)
+    assert dry["gate"]["ok"] and not dry["swapped"] and store.current("wiki") == "v1"
+    v2 = store.open("wiki", version="v2")
+    with store.db.transaction() as cur:
+        cur.execute(v2._sql("UPDATE {t} SET dense = %s WHERE ext_id = %s"), (np.zeros(384, "f4"), wiki_docs(1)[0].id))
+    with pytest.raises(GateFailed) as exc:                   # the rerun resumes v2 and gates it again
+        reindex(store, "wiki", e5, batch_docs=30, sample=60)
+    assert exc.value.report.checks["vectors"]["detail"] == "bad vectors: zero 1"
+    assert store.current("wiki") == "v1" and store.history("wiki") == []
