@@ -321,3 +321,20 @@ def test_bm25_on_postgres_scores_what_the_local_postings_score(pg_url, tmp_path)
         hyb = [[(h.id, h.score) for h in ix.search(Query(dense=vec(7), sparse=q, mode="hybrid", fusion="weighted",
                                                         top_k=10), ident)] for ix in sides]
         assert [i for i, _ in hyb[0]] == [i for i, _ in hyb[1]]
+
+
+@pytest.mark.postgres
+def test_a_read_only_database_serves_searches_and_refuses_writes_clearly(pg_url):
+    """A server pointed at a read-only standby (imitated: the database's default transactions
+    read-only) searches, and says where writes go instead of failing."""
+    import psycopg
+    ix = open_store(pg_url).create("t", IDENT)
+    put(ix, range(4))
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE {pg_url.rsplit('/', 1)[1]} SET default_transaction_read_only = on")
+    standby = open_store(pg_url)
+    ro = standby.open("t", IDENT)
+    assert top(ro, vec(2)) == ["d2"] and standby.names() == ["t"]
+    with pytest.raises(BackendUnavailableError) as e:
+        put(ro, [9])
+    assert e.value.code == "index_read_only" and "primary" in e.value.message

@@ -130,18 +130,29 @@ class Database:
         with self._init_lock:
             if self._ready:
                 return
-            with self.transaction() as cur:
-                cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"embedserve:schema:{self.schema}",))
-                cur.execute(self.sql.SQL(DDL).format(schema=self.ident))
-                cur.execute(self.sql.SQL("INSERT INTO {}.meta VALUES ('schema_version', %s) ON CONFLICT (key) "
-                                         "DO NOTHING").format(self.ident), (SCHEMA_VERSION,))
-                cur.execute(self.sql.SQL("SELECT value FROM {}.meta WHERE key = 'schema_version'").format(self.ident))
-                have = cur.fetchone()[0]
+            have = self._layout()           # there already: no DDL (a read-only standby can serve searches)
+            if have is None:
+                with self.transaction() as cur:
+                    cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"embedserve:schema:{self.schema}",))
+                    cur.execute(self.sql.SQL(DDL).format(schema=self.ident))
+                    cur.execute(self.sql.SQL("INSERT INTO {}.meta VALUES ('schema_version', %s) ON CONFLICT (key) "
+                                             "DO NOTHING").format(self.ident), (SCHEMA_VERSION,))
+                have = self._layout()
             if have != SCHEMA_VERSION:
                 raise ConflictError(f"schema {self.schema!r} holds embedserve tables of layout {have}; this release "
                                     f"uses layout {SCHEMA_VERSION}: use a matching release or another --index-schema",
                                     param="index_schema", code="schema_mismatch")
             self._ready = True
+
+    def _layout(self) -> str | None:
+        """The layout version of embedserve's tables in the schema, None if they are not there."""
+        with self.errors(), self.pool.connection() as conn:
+            exists = conn.execute("SELECT to_regclass(%s)", (f"{self.schema}.meta",)).fetchone()[0]
+            if exists is None:
+                return None
+            row = conn.execute(self.sql.SQL("SELECT value FROM {}.meta WHERE key = 'schema_version'")
+                               .format(self.ident)).fetchone()
+            return row[0] if row else None
 
     @contextmanager
     def transaction(self, *, read_only: bool = False, snapshot: bool = False) -> Iterator:
@@ -179,6 +190,10 @@ class Database:
             raise BackendUnavailableError(
                 f"the index database is unreachable (no connection within {POOL_WAIT_S:g} s); retry shortly",
                 retry_after=RETRY_AFTER_S) from None
+        except psycopg.errors.ReadOnlySqlTransaction:
+            raise BackendUnavailableError("the index database is a read-only standby: this server can search, but "
+                                          "writes, index changes and migrations go to a server whose --index-url "
+                                          "is the primary", retry_after=RETRY_AFTER_S, code="index_read_only") from None
         except psycopg.errors.UndefinedTable:
             raise NotFoundError("this index version was deleted while the request used it; retry (it goes to "
                                 "the live version)", code="index_not_found") from None
