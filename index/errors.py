@@ -66,6 +66,13 @@ class BackendUnavailableError(IndexLibraryError):
         self.retry_after = max(1, int(retry_after))
 
 
+class BackendBusyError(BackendUnavailableError):
+    """Every connection to the index database is in use and none came free in time: the
+    database is up but this process is over its share (HTTP 429, Retry-After)."""
+
+    code = "index_backend_busy"
+
+
 class StorageFullError(IndexLibraryError, OSError):
     """A write found no room on the volume holding the index (ENOSPC, EDQUOT, SQLite's "database
     or disk is full"): nothing of it was applied, and the same write succeeds once there is room.

@@ -124,26 +124,26 @@ def reindex(store: PgStore, name: str, embedder, *, batch_docs: int = 256, sampl
 def _hold_writers(store: PgStore, cur, version_id: int) -> int:
     """Lock a version's row for the rest of the transaction: its writers wait (and then find it
     retired); returns its write sequence."""
-    cur.execute(store._sql("SELECT seq FROM {versions} WHERE id = %s FOR UPDATE"), (version_id,))
+    cur.execute(store.sql("SELECT seq FROM {versions} WHERE id = %s FOR UPDATE"), (version_id,))
     return int(cur.fetchone()[0])
 
 
 def _move_live(store: PgStore, cur, name: str, live: str, live_id: int, to: str, to_id: int, entry: dict) -> None:
     """Inside the swap's transaction: `to` live, `live` retired, the ledger row written."""
-    cur.execute(store._sql("UPDATE {indexes} SET live_version = %s WHERE name = %s AND live_version = %s"),
+    cur.execute(store.sql("UPDATE {indexes} SET live_version = %s WHERE name = %s AND live_version = %s"),
                 (to, name, live))
     if cur.rowcount != 1:
         raise MigrationError(f"index {name!r}: {live} stopped being live during the migration; nothing swapped",
                              code="live_moved")
-    cur.execute(store._sql("UPDATE {versions} SET retired_by = %s WHERE id = %s"), (to, live_id))
-    cur.execute(store._sql("UPDATE {versions} SET retired_by = NULL WHERE id = %s"), (to_id,))
-    cur.execute(store._sql("INSERT INTO {ledger} (index_name, entry) VALUES (%s, %s::jsonb)"),
+    cur.execute(store.sql("UPDATE {versions} SET retired_by = %s WHERE id = %s"), (to, live_id))
+    cur.execute(store.sql("UPDATE {versions} SET retired_by = NULL WHERE id = %s"), (to_id,))
+    cur.execute(store.sql("INSERT INTO {ledger} (index_name, entry) VALUES (%s, %s::jsonb)"),
                 (name, json.dumps(entry, ensure_ascii=False)))
 
 
 def _set_retired(store: PgStore, version_id: int, by: str | None) -> None:
     with store.db.transaction() as cur:
-        cur.execute(store._sql("UPDATE {versions} SET retired_by = %s WHERE id = %s"), (by, version_id))
+        cur.execute(store.sql("UPDATE {versions} SET retired_by = %s WHERE id = %s"), (by, version_id))
 
 
 def rollback(store: PgStore, name: str, embedder=None, *, batch_docs: int = 256) -> dict:
@@ -208,7 +208,7 @@ def prune(store: PgStore, name: str, keep: int) -> list[str]:
     the migration lock, in one transaction."""
     with migration_lock(store, name):
         with store.db.transaction() as cur:
-            cur.execute(store._sql("SELECT live_version FROM {indexes} WHERE name = %s FOR UPDATE"), (name,))
+            cur.execute(store.sql("SELECT live_version FROM {indexes} WHERE name = %s FOR UPDATE"), (name,))
             row = cur.fetchone()
             if row is None:
                 store.current(name)                          # the NotFoundError

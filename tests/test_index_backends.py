@@ -338,3 +338,16 @@ def test_a_read_only_database_serves_searches_and_refuses_writes_clearly(pg_url)
     with pytest.raises(BackendUnavailableError) as e:
         put(ro, [9])
     assert e.value.code == "index_read_only" and "primary" in e.value.message
+
+
+@pytest.mark.postgres
+def test_every_connection_busy_is_a_429_kind_not_an_outage(pg_url):
+    from index.errors import BackendBusyError
+    store = open_store(pg_url, pool_size=1)
+    ix = store.create("t", IDENT)
+    put(ix, range(3))
+    with store.db.session():                          # the pool's one connection, held
+        with pytest.raises(BackendBusyError) as e:
+            top(ix, vec(1))
+    assert e.value.code == "index_backend_busy" and "--index-pool-size" in e.value.message
+    assert top(ix, vec(1)) == ["d1"]

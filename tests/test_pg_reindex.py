@@ -8,7 +8,6 @@ with each document embedded once; SIGKILLed right before and right after the swa
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -235,7 +234,7 @@ def test_the_gate_refuses_and_the_live_version_keeps_serving(wiki, minilm_model,
     assert dry["gate"]["ok"] and not dry["swapped"] and store.current("wiki") == "v1"
     v2 = store.open("wiki", version="v2")
     with store.db.transaction() as cur:
-        cur.execute(v2._sql("UPDATE {t} SET dense = %s WHERE ext_id = %s"), (np.zeros(384, "f4"), wiki_docs(1)[0].id))
+        cur.execute(v2.sql("UPDATE {t} SET dense = %s WHERE ext_id = %s"), (np.zeros(384, "f4"), wiki_docs(1)[0].id))
     with pytest.raises(GateFailed) as exc:                   # the rerun resumes v2 and gates it again
         reindex(store, "wiki", e5, batch_docs=30, sample=60)
     assert exc.value.report.checks["vectors"]["detail"] == "bad vectors: zero 1"

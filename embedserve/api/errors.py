@@ -23,6 +23,7 @@ _STATUS: tuple[tuple[type[Exception], int, str], ...] = (
     (index_errors.NotFoundError, 404, "not_found_error"),
     (index_errors.ConflictError, 409, "conflict_error"),
     (index_errors.RetiredError, 503, "service_unavailable"),
+    (index_errors.BackendBusyError, 429, "rate_limit_error"),
     (index_errors.BackendUnavailableError, 503, "service_unavailable"),
     (index_errors.StorageFullError, 507, "insufficient_storage"),
     (index_errors.IndexCorruptError, 500, "server_error"),

@@ -19,7 +19,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from ..errors import BackendUnavailableError, ConflictError, NotFoundError, ValidationError
+from ..errors import BackendBusyError, BackendUnavailableError, ConflictError, NotFoundError, ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +114,17 @@ class Database:
         try:
             self._register_vector(conn)
         except self.psycopg.ProgrammingError:
-            # the extension is not there yet: `ensure_schema` creates it, then connections retry
+            # the extension is not in this database yet: create it (needs the database owner's rights)
             conn.rollback()
-            with conn.cursor() as cur:
-                cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
-            conn.commit()
+            try:
+                with conn.cursor() as cur:
+                    cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
+                conn.commit()
+            except self.psycopg.Error as exc:
+                conn.rollback()
+                logger.error("the pgvector extension is not installed in this database and this role cannot create "
+                             "it (%s): run CREATE EXTENSION vector as the database owner", str(exc).strip())
+                raise
             self._register_vector(conn)
         conn.commit()
 
@@ -187,6 +193,10 @@ class Database:
         try:
             yield
         except PoolTimeout:
+            stats = self.pool.get_stats()
+            if stats.get("pool_size", 0) >= self.pool.max_size and not stats.get("pool_available", 0):
+                raise BackendBusyError(f"all {self.pool.max_size} connections to the index database are busy; retry "
+                                       "shortly, or raise --index-pool-size", retry_after=1) from None
             raise BackendUnavailableError(
                 f"the index database is unreachable (no connection within {POOL_WAIT_S:g} s); retry shortly",
                 retry_after=RETRY_AFTER_S) from None

@@ -49,7 +49,7 @@ def _where(flt: dict | None) -> tuple[str, list]:
 
 
 def _q_dense(ix, q: np.ndarray):
-    return ix._vec(np.asarray(q, dtype=np.float32))
+    return ix.dense_param(np.asarray(q, dtype=np.float32))
 
 
 def _q_sparse(ix, cur, s):
@@ -57,14 +57,14 @@ def _q_sparse(ix, cur, s):
     the query terms with their weights and idf (from this snapshot's document frequencies)."""
     from pgvector import SparseVector
     ids, w = s
-    if ix._lexical:
+    if ix.lexical_weights:
         return SparseVector({int(i): float(x) for i, x in zip(ids, w)}, SPARSE_DIM)
     ids = [int(i) for i in ids]
     if not ids:
         return None
-    cur.execute(ix._sql("SELECT lex_n, lex_len FROM {versions} WHERE id = %s"), (ix.id,))
+    cur.execute(ix.sql("SELECT lex_n, lex_len FROM {versions} WHERE id = %s"), (ix.id,))
     n, total = cur.fetchone()
-    cur.execute(ix._sql("SELECT token, count(*) FROM {p} WHERE token = ANY(%s) GROUP BY token"), (ids,))
+    cur.execute(ix.sql("SELECT token, count(*) FROM {p} WHERE token = ANY(%s) GROUP BY token"), (ids,))
     df = dict(cur.fetchall())
     idf = [float(np.log1p((n - df.get(t, 0) + 0.5) / (df.get(t, 0) + 0.5))) for t in ids]
     return ids, [float(x) for x in w], idf, float(total) / max(int(n), 1)
@@ -87,32 +87,32 @@ def _dense_top(ix, cur, q, k: int, where: str, params: list) -> list[tuple[int, 
                     (str(min(1000, max(int(m.dense_index.get("ef_search", 40)), k))),))
         if where != "TRUE":
             cur.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)")
-    cur.execute(ix._sql("SELECT label, -(dense <#> %s) AS s FROM {t} WHERE dense IS NOT NULL AND "
+    cur.execute(ix.sql("SELECT label, -(dense <#> %s) AS s FROM {t} WHERE dense IS NOT NULL AND "
                         + where + " ORDER BY dense <#> %s LIMIT %s"), [q, *params, q, k])
     rows = [(int(r[0]), float(r[1])) for r in cur.fetchall()]
     return sorted(rows, key=lambda r: (-r[1], r[0]))       # relaxed order: exact order of what came back
 
 
 def _sparse_top(ix, cur, q, k: int, where: str, params: list) -> list[tuple[int, float]]:
-    if ix._lexical:
-        cur.execute(ix._sql("SELECT label, s FROM (SELECT label, -(lexical <#> %s) AS s FROM {t} WHERE lexical IS NOT "
+    if ix.lexical_weights:
+        cur.execute(ix.sql("SELECT label, s FROM (SELECT label, -(lexical <#> %s) AS s FROM {t} WHERE lexical IS NOT "
                             "NULL AND " + where + ") c WHERE s > 0 ORDER BY s DESC, label LIMIT %s"), [q, *params, k])
     else:
-        cur.execute(ix._sql(_BM25 + where + " GROUP BY p.label ORDER BY s DESC, p.label LIMIT %s"),
+        cur.execute(ix.sql(_BM25 + where + " GROUP BY p.label ORDER BY s DESC, p.label LIMIT %s"),
                     [*_bm25_params(q), *params, k])
     return [(int(r[0]), float(r[1])) for r in cur.fetchall() if float(r[1]) > 0]
 
 
 def _exact(ix, cur, labels: list[int], qd, qs) -> tuple[dict, dict]:
     """Both sides' exact scores of `labels` (the sparse side only where it is positive)."""
-    cur.execute(ix._sql("SELECT label, -(dense <#> %s)" + (", -(lexical <#> %s)" if ix._lexical else "")
-                        + " FROM {t} WHERE label = ANY(%s)"), [qd, qs, labels] if ix._lexical else [qd, labels])
+    cur.execute(ix.sql("SELECT label, -(dense <#> %s)" + (", -(lexical <#> %s)" if ix.lexical_weights else "")
+                        + " FROM {t} WHERE label = ANY(%s)"), [qd, qs, labels] if ix.lexical_weights else [qd, labels])
     rows = cur.fetchall()
     d = {int(r[0]): float(r[1]) for r in rows if r[1] is not None}
-    if ix._lexical:
+    if ix.lexical_weights:
         s = {int(r[0]): float(r[2]) for r in rows if r[2] is not None and float(r[2]) > 0}
     else:
-        cur.execute(ix._sql(_BM25 + "p.label = ANY(%s) GROUP BY p.label"), [*_bm25_params(qs), labels])
+        cur.execute(ix.sql(_BM25 + "p.label = ANY(%s) GROUP BY p.label"), [*_bm25_params(qs), labels])
         s = {int(r[0]): float(r[1]) for r in cur.fetchall() if float(r[1]) > 0}
     return d, s
 
@@ -140,7 +140,7 @@ def run(ix, cur, query: Query) -> list[Hit]:
         ranked = fuse(query, ix.manifest.sparse, d_top, s_top, d_score, s_score, s_max)
     if not ranked:
         return []
-    cur.execute(ix._sql("SELECT label, ext_id, text, metadata FROM {t} WHERE label = ANY(%s)"),
+    cur.execute(ix.sql("SELECT label, ext_id, text, metadata FROM {t} WHERE label = ANY(%s)"),
                 ([lab for lab, _, _ in ranked],))
     found = {int(r[0]): r[1:] for r in cur.fetchall()}
     return [Hit(found[lab][0], float(score), found[lab][1], found[lab][2],

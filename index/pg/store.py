@@ -40,14 +40,14 @@ class PgStore:
     def describe(self) -> str:
         return f"postgres ({redact(self.url)}, schema {self.db.schema})"
 
-    def _sql(self, text: str, **ids):
+    def sql(self, text: str, **ids):
         return self.db.sql.SQL(text).format(indexes=self.db.name("indexes"), versions=self.db.name("versions"),
                                             ledger=self.db.name("ledger"), **ids)
 
     def _query(self, text: str, params=(), **ids) -> list[tuple]:
         self.db.ensure_schema()
         with self.db.transaction(read_only=True) as cur:
-            cur.execute(self._sql(text, **ids), params)
+            cur.execute(self.sql(text, **ids), params)
             return cur.fetchall()
 
     # ------------------------------------------------------------------ reads
@@ -107,7 +107,7 @@ class PgStore:
         self.db.ensure_schema()
         dense = dense or DenseConfig()
         with self.db.transaction() as cur:
-            cur.execute(self._sql("INSERT INTO {indexes} (name, live_version) VALUES (%s, 'v1') ON CONFLICT (name) "
+            cur.execute(self.sql("INSERT INTO {indexes} (name, live_version) VALUES (%s, 'v1') ON CONFLICT (name) "
                                   "DO NOTHING RETURNING name"), (name,))
             if cur.fetchone() is None:
                 raise ConflictError(f"index {name!r} already exists; pick another name or delete it first",
@@ -121,17 +121,17 @@ class PgStore:
         self.db.ensure_schema()
         dense = dense or DenseConfig(**self.manifest(name).dense_index)
         with self.db.transaction() as cur:
-            cur.execute(self._sql("SELECT 1 FROM {indexes} WHERE name = %s FOR UPDATE"), (check_name(name),))
+            cur.execute(self.sql("SELECT 1 FROM {indexes} WHERE name = %s FOR UPDATE"), (check_name(name),))
             if cur.fetchone() is None:
                 raise NotFoundError(f"index {name!r} does not exist", param="name", code="index_not_found")
-            cur.execute(self._sql("SELECT version FROM {versions} WHERE index_name = %s"), (name,))
+            cur.execute(self.sql("SELECT version FROM {versions} WHERE index_name = %s"), (name,))
             version = f"v{max((int(r[0][1:]) for r in cur.fetchall()), default=0) + 1}"
             self._add_version(cur, name, version, identity, dense)
         return version
 
     def _add_version(self, cur, name: str, version: str, identity: ModelIdentity, dense: DenseConfig) -> int:
         m = Manifest.new(name, version, identity, dense)
-        cur.execute(self._sql("INSERT INTO {versions} (index_name, version, manifest) VALUES (%s, %s, %s::jsonb) "
+        cur.execute(self.sql("INSERT INTO {versions} (index_name, version, manifest) VALUES (%s, %s, %s::jsonb) "
                               "RETURNING id"), (name, version, m.to_json().decode()))
         vid = int(cur.fetchone()[0])
         t = self.db.table(vid)
@@ -163,19 +163,19 @@ class PgStore:
         """Remove an index: its rows, tables and ledger, in one transaction."""
         self.db.ensure_schema()
         with self.db.transaction() as cur:
-            cur.execute(self._sql("SELECT 1 FROM {indexes} WHERE name = %s FOR UPDATE"), (check_name(name),))
+            cur.execute(self.sql("SELECT 1 FROM {indexes} WHERE name = %s FOR UPDATE"), (check_name(name),))
             if cur.fetchone() is None:
                 raise NotFoundError(f"index {name!r} does not exist", param="name", code="index_not_found")
-            cur.execute(self._sql("SELECT id FROM {versions} WHERE index_name = %s"), (name,))
+            cur.execute(self.sql("SELECT id FROM {versions} WHERE index_name = %s"), (name,))
             for (vid,) in cur.fetchall():
                 self._drop_tables(cur, vid)
-            cur.execute(self._sql("DELETE FROM {indexes} WHERE name = %s"), (name,))
-            cur.execute(self._sql("DELETE FROM {ledger} WHERE index_name = %s"), (name,))
+            cur.execute(self.sql("DELETE FROM {indexes} WHERE name = %s"), (name,))
+            cur.execute(self.sql("DELETE FROM {ledger} WHERE index_name = %s"), (name,))
         logger.info("deleted index %s", name)
 
     def drop_version(self, cur, name: str, version: str) -> None:
         """Inside the caller's transaction: drop a (non-live) version's table and row."""
-        cur.execute(self._sql("DELETE FROM {versions} WHERE index_name = %s AND version = %s RETURNING id"),
+        cur.execute(self.sql("DELETE FROM {versions} WHERE index_name = %s AND version = %s RETURNING id"),
                     (name, version))
         row = cur.fetchone()
         if row is not None:
@@ -192,7 +192,7 @@ class PgStore:
         return rows[0][0] if rows else None
 
     def save_checkpoint(self, name: str, version: str, checkpoint: dict, cur=None) -> None:
-        q = self._sql("UPDATE {versions} SET checkpoint = %s::jsonb WHERE index_name = %s AND version = %s")
+        q = self.sql("UPDATE {versions} SET checkpoint = %s::jsonb WHERE index_name = %s AND version = %s")
         params = (json.dumps(checkpoint), name, version)
         if cur is not None:
             cur.execute(q, params)

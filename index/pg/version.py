@@ -52,8 +52,8 @@ class PgIndex:
         if identity is not None:
             self.manifest.check(identity, "open")
         m = self.manifest
-        self._half = dense_type(m.dimension) == "halfvec"
-        self._lexical = m.sparse == "lexical_weights"
+        self.halfvec = dense_type(m.dimension) == "halfvec"
+        self.lexical_weights = m.sparse == "lexical_weights"
 
     @property
     def name(self) -> str:
@@ -72,19 +72,19 @@ class PgIndex:
     def path(self):                                 # what the local backend's callers log
         return f"postgres:{self.db.schema}.docs_{self.id}"
 
-    def _sql(self, text: str):
+    def sql(self, text: str):
         return self.db.sql.SQL(text).format(t=self.table, p=self.postings, versions=self.db.name("versions"))
 
-    def _vec(self, v):
+    def dense_param(self, v):
         from pgvector import HalfVector
         v = np.asarray(v, dtype=np.float32)
-        return HalfVector(v) if self._half else v
+        return HalfVector(v) if self.halfvec else v
 
     def _sparse_value(self, s: Sparse):
         """The `lexical` column of a document: its lexical weights, or (BM25) its length in tokens."""
         from pgvector import SparseVector
         ids, w = s
-        if not self._lexical:
+        if not self.lexical_weights:
             return float(np.asarray(w, dtype=np.float64).sum())
         order = np.argsort(np.asarray(ids, dtype=np.int64))
         return SparseVector({int(ids[j]): float(w[j]) for j in order}, SPARSE_DIM)
@@ -93,7 +93,7 @@ class PgIndex:
     def _lock_version(self, cur) -> tuple[int, Manifest]:
         """Inside a write transaction: lock this version's row (writers queue here, and a swap
         retiring it holds it), refuse a retired or deleted version, return (seq, manifest)."""
-        cur.execute(self._sql("SELECT seq, manifest, retired_by FROM {versions} WHERE id = %s FOR UPDATE"),
+        cur.execute(self.sql("SELECT seq, manifest, retired_by FROM {versions} WHERE id = %s FOR UPDATE"),
                     (self.id,))
         return self._locked(cur.fetchone())
 
@@ -124,7 +124,7 @@ class PgIndex:
             for i, (d, s) in enumerate(zip(dense, sparse)):
                 if d is not None or s is not None:
                     check_vectors(manifest, i, d, s)
-            cur.execute(self._sql("SELECT ext_id, label, content_hash, metadata, lexical FROM {t} WHERE ext_id = ANY(%s)"),
+            cur.execute(self.sql("SELECT ext_id, label, content_hash, metadata, lexical FROM {t} WHERE ext_id = ANY(%s)"),
                         ([d.id for d in docs],))
             stored = {r[0]: r[1:] for r in cur.fetchall()}
             change = Change(base=seq, seq=seq)
@@ -144,8 +144,8 @@ class PgIndex:
                 seq += 1
                 lexical = self._sparse_value(s)
                 rows.append((doc.id, seq, seq, doc.text, json.dumps(doc.metadata, ensure_ascii=False),
-                             content_hash(doc.text), self._vec(d), lexical, now, now))
-                if not self._lexical:
+                             content_hash(doc.text), self.dense_param(d), lexical, now, now))
+                if not self.lexical_weights:
                     postings += [(int(t), seq, float(w)) for t, w in zip(s[0], s[1])]
                     n_delta += old is None
                     len_delta += lexical - (float(old[3] or 0.0) if old is not None else 0.0)
@@ -154,19 +154,19 @@ class PgIndex:
                 change.outcomes[doc.id] = "added" if old is None else "replaced"
                 change.added.append((seq, None, None))
             if meta_rows:
-                cur.executemany(self._sql("UPDATE {t} SET metadata = %s::jsonb, updated_at = %s, wseq = %s "
+                cur.executemany(self.sql("UPDATE {t} SET metadata = %s::jsonb, updated_at = %s, wseq = %s "
                                           "WHERE ext_id = %s"), meta_rows)
             if rows:
-                cur.executemany(self._sql(
+                cur.executemany(self.sql(
                     "INSERT INTO {t} (ext_id, label, wseq, text, metadata, content_hash, dense, lexical, created_at, "
                     "updated_at) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s, %s) "
                     "ON CONFLICT (ext_id) DO UPDATE SET label = EXCLUDED.label, wseq = EXCLUDED.wseq, "
                     "text = EXCLUDED.text, metadata = EXCLUDED.metadata, content_hash = EXCLUDED.content_hash, "
                     "dense = EXCLUDED.dense, lexical = EXCLUDED.lexical, updated_at = EXCLUDED.updated_at"), rows)
-            if not self._lexical:
+            if not self.lexical_weights:
                 self._write_postings(cur, change.removed, postings)
             if seq != change.base:
-                cur.execute(self._sql("UPDATE {versions} SET seq = %s, lex_n = lex_n + %s, lex_len = lex_len + %s "
+                cur.execute(self.sql("UPDATE {versions} SET seq = %s, lex_n = lex_n + %s, lex_len = lex_len + %s "
                                       "WHERE id = %s"), (seq, n_delta, len_delta, self.id))
             change.seq = seq
         return change
@@ -174,9 +174,9 @@ class PgIndex:
     def _write_postings(self, cur, removed: list[int], rows: list[tuple[int, int, float]]) -> None:
         """BM25: drop the postings of replaced or deleted labels, add the new ones (COPY)."""
         if removed:
-            cur.execute(self._sql("DELETE FROM {p} WHERE label = ANY(%s)"), (removed,))
+            cur.execute(self.sql("DELETE FROM {p} WHERE label = ANY(%s)"), (removed,))
         if rows:
-            with cur.copy(self._sql("COPY {p} (token, label, tf) FROM STDIN")) as copy:
+            with cur.copy(self.sql("COPY {p} (token, label, tf) FROM STDIN")) as copy:
                 for r in rows:
                     copy.write_row(r)
 
@@ -187,7 +187,7 @@ class PgIndex:
             seq, manifest = self._lock_version(cur)
             if identity is not None:
                 manifest.check(identity, "write to")
-            cur.execute(self._sql("DELETE FROM {t} WHERE ext_id = ANY(%s) RETURNING ext_id, label, lexical"),
+            cur.execute(self.sql("DELETE FROM {t} WHERE ext_id = ANY(%s) RETURNING ext_id, label, lexical"),
                         (ext_ids,))
             gone = {r[0]: r[1:] for r in cur.fetchall()}
             change = Change(base=seq, seq=seq)
@@ -199,12 +199,12 @@ class PgIndex:
                 else:
                     change.outcomes[ext_id] = "missing"
             n_delta = len_delta = 0
-            if not self._lexical and gone:
+            if not self.lexical_weights and gone:
                 self._write_postings(cur, change.removed, [])
                 n_delta = -len(gone)
                 len_delta = -sum(float(v[1] or 0.0) for v in gone.values())
             if seq != change.base:
-                cur.execute(self._sql("UPDATE {versions} SET seq = %s, lex_n = lex_n + %s, lex_len = lex_len + %s "
+                cur.execute(self.sql("UPDATE {versions} SET seq = %s, lex_n = lex_n + %s, lex_len = lex_len + %s "
                                       "WHERE id = %s"), (seq, n_delta, len_delta, self.id))
             change.seq = seq
         return change
@@ -215,7 +215,7 @@ class PgIndex:
         manifest read and checked in it)."""
         from .search import run
         with self.db.transaction(read_only=True, snapshot=True) as cur:
-            cur.execute(self._sql("SELECT manifest FROM {versions} WHERE id = %s"), (self.id,))
+            cur.execute(self.sql("SELECT manifest FROM {versions} WHERE id = %s"), (self.id,))
             row = cur.fetchone()
             if row is None:
                 raise NotFoundError(f"index {self.name!r} version {self.version} was deleted; retry",
@@ -239,7 +239,7 @@ class PgIndex:
     def describe(self) -> dict:
         """The manifest with live counts (what `GET /v1/indexes/{name}` returns)."""
         with self.db.transaction(read_only=True, snapshot=True) as cur:
-            cur.execute(self._sql("SELECT seq FROM {versions} WHERE id = %s"), (self.id,))
+            cur.execute(self.sql("SELECT seq FROM {versions} WHERE id = %s"), (self.id,))
             row = cur.fetchone()
             if row is None:
                 raise NotFoundError(f"index {self.name!r} version {self.version} was deleted", code="index_not_found")
@@ -277,7 +277,7 @@ class PgDocs:
 
     def _all(self, text: str, params=()) -> list[tuple]:
         with self.db.transaction(read_only=True) as cur:
-            cur.execute(self.ix._sql(text), params)
+            cur.execute(self.ix.sql(text), params)
             return cur.fetchall()
 
     def seq(self) -> int:
@@ -287,7 +287,7 @@ class PgDocs:
     def counts(self, cur=None) -> dict[str, int]:
         q = "SELECT count(*), count(dense), count(lexical) FROM {t}"
         if cur is not None:
-            cur.execute(self.ix._sql(q))
+            cur.execute(self.ix.sql(q))
             n, d, s = cur.fetchone()
         else:
             n, d, s = self._all(q)[0]
@@ -323,7 +323,7 @@ class PgDocs:
         last = -1
         while True:
             rows = self._all("SELECT label, ext_id, text, content_hash, dense::real[], "
-                             + ("lexical" if self.ix._lexical else "NULL")
+                             + ("lexical" if self.ix.lexical_weights else "NULL")
                              + " FROM {t} WHERE label > %s ORDER BY label LIMIT %s", (last, batch))
             if not rows:
                 return
