@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -103,10 +104,12 @@ class Database:
         self.pool = pool_mod.ConnectionPool(
             url, min_size=1, max_size=max_size, timeout=POOL_WAIT_S, open=False, name="embedserve-index",
             kwargs={"options": options, "connect_timeout": CONNECT_TIMEOUT_S, "application_name": "embedserve"},
-            configure=self._configure, check=pool_mod.ConnectionPool.check_connection,
-            reconnect_timeout=24 * 3600.0)
+            configure=self._configure, reconnect_timeout=24 * 3600.0)
+        # No check on every checkout (a round trip per request): a connection found broken is
+        # dropped when it is returned, and the first failure sweeps the idle ones (`_sweep`).
         self._ready = False
         self._init_lock = threading.Lock()
+        self._swept = 0.0
         self.pool.open(wait=False)
 
     # -------------------------------------------------------------- connections
@@ -178,6 +181,32 @@ class Database:
                         if not conn.closed and conn.info.transaction_status == 0:   # idle: reset for the pool
                             conn.isolation_level, conn.read_only = None, None
 
+    def fetch(self, query, params=()) -> list[tuple]:
+        """The rows of one read-only statement, outside a transaction block (autocommit: one
+        round trip; it is its own snapshot)."""
+        with self.errors(), self.pool.connection() as conn:
+            conn.autocommit = True
+            try:
+                return conn.execute(query, params).fetchall()
+            finally:
+                if not conn.closed:
+                    conn.autocommit = False
+
+    def _sweep(self) -> None:
+        """After a connection failed: test the idle ones in the background (at most once a
+        second), so connections to a database that restarted are replaced before requests meet them."""
+        now = time.monotonic()
+        if now - self._swept < 1.0:
+            return
+        self._swept = now
+        threading.Thread(target=self._check_quietly, name="embedserve-pool-check", daemon=True).start()
+
+    def _check_quietly(self) -> None:
+        try:
+            self.pool.check()
+        except Exception:                        # the pool closing under us, the database still gone
+            logger.debug("pool check failed", exc_info=True)
+
     @contextmanager
     def session(self) -> Iterator:
         """A connection of its own for the whole block (advisory locks, long transactions)."""
@@ -211,6 +240,7 @@ class Database:
             raise BackendUnavailableError(f"the index database timed out ({type(exc).__name__}); retry shortly",
                                           retry_after=RETRY_AFTER_S) from None
         except (psycopg.OperationalError, psycopg.errors.AdminShutdown, psycopg.errors.CannotConnectNow) as exc:
+            self._sweep()
             logger.warning("index database unavailable: %s", str(exc).strip().splitlines()[0] if str(exc) else exc)
             raise BackendUnavailableError("the index database is unavailable (connection lost or refused); retry "
                                           "shortly", retry_after=RETRY_AFTER_S) from None

@@ -117,6 +117,37 @@ def _exact(ix, cur, labels: list[int], qd, qs) -> tuple[dict, dict]:
     return d, s
 
 
+def dense_pipelined(ix, cur, query: Query, identity) -> list[Hit]:
+    """A dense search in one round trip (pipeline mode): the manifest, the HNSW settings and the
+    search with its documents, sent together in the caller's snapshot; the manifest is checked
+    before any hit is returned."""
+    from ..manifest import Manifest
+    conn, m = cur.connection, ix.manifest
+    if np.asarray(query.dense).shape != (m.dimension,):          # before the database sees it
+        from ..errors import ConflictError
+        raise ConflictError(f"dimension mismatch: the index has {m.dimension}, the query vector has "
+                            f"{np.asarray(query.dense).shape}", param="dimension")
+    where, params = _where(query.filter)
+    q = ix.dense_param(np.asarray(query.dense, dtype=np.float32))
+    with conn.pipeline():
+        cur.execute(ix.sql("SELECT manifest FROM {versions} WHERE id = %s"), (ix.id,))
+        if m.dense_index.get("kind") == "hnsw":
+            conn.execute("SELECT set_config('hnsw.ef_search', %s, true), set_config('hnsw.iterative_scan', %s, true)",
+                         (str(min(1000, max(int(m.dense_index.get("ef_search", 40)), query.top_k))),
+                          "relaxed_order" if where != "TRUE" else "off"))
+        hits = conn.cursor()
+        hits.execute(ix.sql("SELECT label, -(dense <#> %s), ext_id, text, metadata FROM {t} WHERE dense IS NOT NULL AND "
+                            + where + " ORDER BY dense <#> %s LIMIT %s"), [q, *params, q, query.top_k])
+    row = cur.fetchone()
+    if row is None:
+        from ..errors import NotFoundError
+        raise NotFoundError(f"index {ix.name!r} version {ix.version} was deleted; retry", code="index_not_found")
+    manifest = Manifest(**row[0])
+    manifest.check(identity, "search")
+    rows = sorted(hits.fetchall(), key=lambda r: (-float(r[1]), int(r[0])))   # relaxed order: exact order
+    return [Hit(r[2], float(r[1]), r[3], r[4], {"dense": float(r[1])}, int(r[0])) for r in rows]
+
+
 def run(ix, cur, query: Query) -> list[Hit]:
     """Execute `query` in the caller's transaction (the manifest is checked)."""
     where, params = _where(query.filter)

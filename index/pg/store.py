@@ -46,9 +46,7 @@ class PgStore:
 
     def _query(self, text: str, params=(), **ids) -> list[tuple]:
         self.db.ensure_schema()
-        with self.db.transaction(read_only=True) as cur:
-            cur.execute(self.sql(text, **ids), params)
-            return cur.fetchall()
+        return self.db.fetch(self.sql(text, **ids), params)
 
     # ------------------------------------------------------------------ reads
     def exists(self, name: str) -> bool:

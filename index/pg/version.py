@@ -213,7 +213,10 @@ class PgIndex:
     def search(self, query: Query, identity: ModelIdentity) -> list[Hit]:
         """Search with vectors `identity`'s model made for the query, in one snapshot (the
         manifest read and checked in it)."""
-        from .search import run
+        from .search import dense_pipelined, run
+        if query.mode == "dense":
+            with self.db.transaction(read_only=True, snapshot=True) as cur:
+                return dense_pipelined(self, cur, query, identity)
         with self.db.transaction(read_only=True, snapshot=True) as cur:
             cur.execute(self.sql("SELECT manifest FROM {versions} WHERE id = %s"), (self.id,))
             row = cur.fetchone()
@@ -276,9 +279,7 @@ class PgDocs:
         return f"{self.db.url}#{self.db.schema}.docs_{self.ix.id}"
 
     def _all(self, text: str, params=()) -> list[tuple]:
-        with self.db.transaction(read_only=True) as cur:
-            cur.execute(self.ix.sql(text), params)
-            return cur.fetchall()
+        return self.db.fetch(self.ix.sql(text), params)
 
     def seq(self) -> int:
         rows = self._all("SELECT seq FROM {versions} WHERE id = %s", (self.ix.id,))
