@@ -3,6 +3,7 @@
 
     one migration per index        a session advisory lock (released if the process dies)
     checkpoint                     `versions.checkpoint` of the new version, saved per batch
+    HNSW of the new version        built once after the bulk copy, not grown per inserted row
     copy, catch-up, gate           `migrations.reindex`'s own (`_copy`, `_drop_deleted`, `run_gate`)
     swap                           ONE transaction: the live version's row locked (its writers
                                    wait), the last catch-up, `indexes.live_version` moved, the old
@@ -64,7 +65,7 @@ def _target(store: PgStore, name: str, live: str, embedder) -> tuple[str, Checkp
                 and ck.to_fingerprint == embedder.identity.fingerprint):
             logger.info("index %s: resuming the reindex into %s after write %d", name, version, ck.copied_upto)
             return version, ck
-    version = store.add_version(name, embedder.identity)
+    version = store.add_version(name, embedder.identity, ann=False)      # HNSW built once, after the copy
     ck = Checkpoint(parent=live, version=version, to_model=embedder.identity.model,
                     to_fingerprint=embedder.identity.fingerprint)
     store.save_checkpoint(name, version, asdict(ck))
@@ -92,6 +93,7 @@ def reindex(store: PgStore, name: str, embedder, *, batch_docs: int = 256, sampl
                      + _drop_deleted(old, new))
             if moved <= batch_docs:
                 break
+        store.build_ann(name, version)           # one bulk build (a resumed run may find it built)
         report = run_gate(old, new, embedder, sample=sample, old_embedder=old_embedder)
         if not report.ok:
             raise GateFailed(f"the gate refused {name}/{version}; {live} stays live: " + "; ".join(report.failures()),

@@ -239,3 +239,24 @@ def test_the_gate_refuses_and_the_live_version_keeps_serving(wiki, minilm_model,
         reindex(store, "wiki", e5, batch_docs=30, sample=60)
     assert exc.value.report.checks["vectors"]["detail"] == "bad vectors: zero 1"
     assert store.current("wiki") == "v1" and store.history("wiki") == []
+
+
+def test_an_hnsw_index_is_rebuilt_once_after_the_copy(pg_url, minilm_model, e5_model):
+    """The new version's table is filled without its HNSW index, which is built in one pass
+    before the gate: the gate (and every search after the swap) uses it."""
+    from index.manifest import DenseConfig
+    from migrations.pg_reindex import reindex
+    mini, e5 = ModelEmbedder(minilm_model), ModelEmbedder(e5_model)
+    store = open_store(pg_url)
+    upsert_documents(store.create("wiki", mini.identity, DenseConfig(kind="hnsw", hnsw_m=16, ef_construction=64)),
+                     wiki_docs(N), mini)
+    entry = reindex(store, "wiki", e5, batch_docs=20, sample=N)
+    assert entry["gate"]["ok"] and entry["gate"]["self_hit_rate"] >= 0.99
+    v2 = store.open("wiki", e5.identity)
+    with store.db.transaction() as cur:
+        cur.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = %s AND indexdef LIKE '%%hnsw%%'",
+                    (f"docs_{v2.id}",))
+        (name, definition), = cur.fetchall()
+    assert name == f"docs_{v2.id}_hnsw" and "vector_ip_ops" in definition and "m='16'" in definition.replace(" ", "")
+    assert v2.manifest.dense_index["kind"] == "hnsw"
+    assert search_text(v2, e5, wiki_docs(N)[5].text, top_k=1)[0].id == wiki_docs(N)[5].id

@@ -114,8 +114,11 @@ class PgStore:
         logger.info("created index %s (model %s, %s) in %s", name, identity.model, dense.kind, self.describe())
         return self.open(name, identity)
 
-    def add_version(self, name: str, identity: ModelIdentity, dense: DenseConfig | None = None) -> str:
-        """A new, empty version beside the others (not live until a swap makes it so)."""
+    def add_version(self, name: str, identity: ModelIdentity, dense: DenseConfig | None = None, *,
+                    ann: bool = True) -> str:
+        """A new, empty version beside the others (not live until a swap makes it so). With
+        `ann=False` its HNSW index is left for `build_ann` (a reindex fills the table first: one
+        bulk build is far cheaper than an insert into the graph per document)."""
         self.db.ensure_schema()
         dense = dense or DenseConfig(**self.manifest(name).dense_index)
         with self.db.transaction() as cur:
@@ -124,10 +127,11 @@ class PgStore:
                 raise NotFoundError(f"index {name!r} does not exist", param="name", code="index_not_found")
             cur.execute(self.sql("SELECT version FROM {versions} WHERE index_name = %s"), (name,))
             version = f"v{max((int(r[0][1:]) for r in cur.fetchall()), default=0) + 1}"
-            self._add_version(cur, name, version, identity, dense)
+            self._add_version(cur, name, version, identity, dense, ann=ann)
         return version
 
-    def _add_version(self, cur, name: str, version: str, identity: ModelIdentity, dense: DenseConfig) -> int:
+    def _add_version(self, cur, name: str, version: str, identity: ModelIdentity, dense: DenseConfig, *,
+                     ann: bool = True) -> int:
         m = Manifest.new(name, version, identity, dense)
         cur.execute(self.sql("INSERT INTO {versions} (index_name, version, manifest) VALUES (%s, %s, %s::jsonb) "
                               "RETURNING id"), (name, version, m.to_json().decode()))
@@ -151,11 +155,29 @@ class PgStore:
             cur.execute(sql.SQL("CREATE TABLE {p} (token integer NOT NULL, label bigint NOT NULL, tf real NOT NULL, "
                                 "PRIMARY KEY (token, label))").format(p=lex))
             cur.execute(sql.SQL("CREATE INDEX ON {p} (label)").format(p=lex))
-        if dense.kind == "hnsw":
-            cur.execute(sql.SQL("CREATE INDEX ON {t} USING hnsw (dense {ops}) WITH (m = {m}, ef_construction = {ef})")
-                        .format(t=t, ops=sql.SQL(f"{kind}_ip_ops"), m=sql.Literal(int(dense.hnsw_m)),
-                                ef=sql.Literal(int(dense.ef_construction))))
+        if ann:
+            self._create_ann(cur, vid, m)
         return vid
+
+    def _create_ann(self, cur, vid: int, m: Manifest) -> None:
+        """The version's HNSW index (inner product), if its manifest asks for one."""
+        dense = m.dense_config
+        if dense.kind != "hnsw":
+            return
+        sql = self.db.sql
+        cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {name} ON {t} USING hnsw (dense {ops}) "
+                            "WITH (m = {m}, ef_construction = {ef})").format(
+            name=sql.Identifier(f"docs_{int(vid)}_hnsw"), t=self.db.table(vid),
+            ops=sql.SQL(f"{dense_type(m.dimension)}_ip_ops"), m=sql.Literal(int(dense.hnsw_m)),
+            ef=sql.Literal(int(dense.ef_construction))))
+
+    def build_ann(self, name: str, version: str) -> None:
+        """Build a version's HNSW index now (after a bulk load; no statement timeout: it takes as
+        long as the table is large; `maintenance_work_mem` on the server sizes it)."""
+        row = self._row(name, version)
+        with self.db.transaction() as cur:
+            cur.execute("SET LOCAL statement_timeout = 0")
+            self._create_ann(cur, row.id, row.manifest)
 
     def delete(self, name: str) -> None:
         """Remove an index: its rows, tables and ledger, in one transaction."""
