@@ -74,23 +74,7 @@ def _verify(ix: Index, sample: int, seed: int) -> VerifyReport:
     if not db["documents"] == db["dense"] == ix.dense.live == db["sparse"] == len(ix.sparse):
         rep.problem(f"counts disagree: {rep.counts}")
 
-    labels, vectors = [], []
-    for batch in ix.docs.iter_docs():
-        for label, ext_id, text, chash, dense, _sparse in batch:
-            if content_hash(text) != chash:
-                rep.problem(f"document {ext_id!r}: text does not match its content hash")
-            if dense is None:
-                continue
-            if dense.shape != (m.dimension,):
-                rep.problem(f"document {ext_id!r}: vector has {dense.shape[0]} dimensions, manifest says {m.dimension}")
-                continue
-            norm = float(np.linalg.norm(dense)) if np.isfinite(dense).all() else float("nan")
-            if not np.isfinite(norm) or norm == 0.0:
-                rep.problem(f"document {ext_id!r}: vector is zero or not finite")
-            elif m.normalize and abs(norm - 1.0) > NORM_TOLERANCE:
-                rep.problem(f"document {ext_id!r}: vector norm {norm:.5f}, manifest says normalized")
-            labels.append(label)
-            vectors.append(dense)
+    labels, vectors = scan_documents(ix.docs.iter_docs(), m, rep)
     label_arr = np.array(labels, dtype=np.int64)
     faiss_live = np.setdiff1d(ix.dense.labels(), np.fromiter(ix.dense.stale, np.int64, len(ix.dense.stale)))
     if not np.array_equal(np.sort(faiss_live), np.sort(label_arr)):
@@ -118,3 +102,26 @@ def _verify(ix: Index, sample: int, seed: int) -> VerifyReport:
             rep.recall_at_10 = float(np.mean([len(set(f) & set(t)) / k for f, t in zip(found.tolist(), truth.tolist())]))
     rep.seconds = round(time.perf_counter() - t0, 3)
     return rep
+
+
+def scan_documents(batches, m, rep: VerifyReport, norm_tolerance: float = NORM_TOLERANCE) -> tuple[list, list]:
+    """Each document's content hash, and its vector's dimension, finiteness and norm, reported
+    into `rep`; (labels, vectors) of the documents with a usable vector. Both backends' verify."""
+    labels, vectors = [], []
+    for batch in batches:
+        for label, ext_id, text, chash, dense, _sparse in batch:
+            if content_hash(text) != chash:
+                rep.problem(f"document {ext_id!r}: text does not match its content hash")
+            if dense is None:
+                continue
+            if dense.shape != (m.dimension,):
+                rep.problem(f"document {ext_id!r}: vector has {dense.shape[0]} dimensions, manifest says {m.dimension}")
+                continue
+            norm = float(np.linalg.norm(dense)) if np.isfinite(dense).all() else float("nan")
+            if not np.isfinite(norm) or norm == 0.0:
+                rep.problem(f"document {ext_id!r}: vector is zero or not finite")
+            elif m.normalize and abs(norm - 1.0) > norm_tolerance:
+                rep.problem(f"document {ext_id!r}: vector norm {norm:.5f}, manifest says normalized")
+            labels.append(label)
+            vectors.append(dense)
+    return labels, vectors
