@@ -198,3 +198,19 @@ def test_documents_survive_a_restart(backend, minilm_model):
     if store.backend == "local":
         m = IndexStore(backend["index_dir"]).manifest("kb")      # the shutdown snapshot holds every write
         assert m.counts == {"documents": 4, "dense": 4, "sparse": 4} and m.files
+
+
+def test_chinese_and_english_documents_round_trip(client):
+    """Text is stored and returned exactly (jsonb and text columns on PostgreSQL, SQLite locally),
+    and the lexical side works on Chinese: BM25 over the tokenizer's pieces, not on whitespace."""
+    docs = [{"id": "京", "text": "北京是中华人民共和国的首都，也是全国的政治和文化中心。", "metadata": {"语言": "中文"}},
+            {"id": "沪", "text": "上海是中国最大的城市和经济中心，位于长江入海口。", "metadata": {"语言": "中文"}},
+            {"id": "paris", "text": "Paris is the capital and largest city of France.", "metadata": {"语言": "英文"}}]
+    assert client.post("/v1/indexes", json={"name": "zh"}).status_code == 201
+    assert client.post("/v1/indexes/zh/documents", json={"documents": docs}).json()["added"] == 3
+    r = client.post("/v1/search", json={"index": "zh", "query": "首都北京", "mode": "sparse", "top_k": 3}).json()
+    assert r["data"][0]["id"] == "京" and r["data"][0]["text"] == docs[0]["text"]
+    assert r["data"][0]["metadata"] == {"语言": "中文"}
+    r = client.post("/v1/search", json={"index": "zh", "query": "长江 上海", "mode": "hybrid", "top_k": 3,
+                                        "filter": {"语言": "中文"}}).json()
+    assert r["data"][0]["id"] == "沪" and {h["id"] for h in r["data"]} <= {"京", "沪"}
