@@ -330,9 +330,9 @@ def filter_terms(flt: dict) -> list[tuple[str, list]]:
     non-empty list of them: one of). Every backend reads filters through this."""
     out = []
     for key, value in flt.items():
-        if not isinstance(key, str) or not key or any(c in key for c in '"\\'):
-            raise ValidationError(f"filter key {key!r} must be a non-empty string without quotes or "
-                                  "backslashes", param="filter")
+        if not isinstance(key, str) or not key or any(c in key for c in '"\\\x00'):
+            raise ValidationError(f"filter key {key!r} must be a non-empty string without quotes, "
+                                  "backslashes or NUL characters", param="filter")
         values = value if isinstance(value, list) else [value]
         if not values:
             raise ValidationError(f"filter {key!r} lists no values; give at least one", param="filter")

@@ -351,3 +351,25 @@ def test_every_connection_busy_is_a_429_kind_not_an_outage(pg_url):
             top(ix, vec(1))
     assert e.value.code == "index_backend_busy" and "--index-pool-size" in e.value.message
     assert top(ix, vec(1)) == ["d1"]
+
+
+def test_a_nul_character_is_a_clear_refusal_or_stored(store):
+    """SQLite stores U+0000; PostgreSQL cannot (text and jsonb): a 400-kind error naming it, and
+    nothing written. In a filter it matches nothing on either backend, never a 500."""
+    ix = store.create("t", IDENT)
+    docs = [Document("a", "before\x00after"), Document("b", "ok", {"k\x00": "v"}), Document("c", "ok", {"k": ["\x00"]})]
+    for d in docs:
+        if store.backend == "postgres":
+            with pytest.raises(ValidationError, match="NUL"):
+                ix.upsert([d], [vec(1)], [terms(1)], IDENT)
+        else:
+            ix.upsert([d], [vec(1)], [terms(1)], IDENT)
+    assert ix.counts()["documents"] == (0 if store.backend == "postgres" else 3)
+    put(ix, [5])
+    with pytest.raises(ValidationError, match="NUL"):
+        ix.search(Query(dense=vec(5), top_k=3, filter={"k\x00": "v"}), IDENT)
+    if store.backend == "postgres":
+        with pytest.raises(ValidationError, match="refused a value"):
+            ix.search(Query(dense=vec(5), top_k=3, filter={"k": "v\x00"}), IDENT)
+    else:
+        assert ix.search(Query(dense=vec(5), top_k=3, filter={"k": "v\x00"}), IDENT) == []

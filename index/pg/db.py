@@ -233,6 +233,9 @@ class Database:
             raise BackendUnavailableError("the index database is a read-only standby: this server can search, but "
                                           "writes, index changes and migrations go to a server whose --index-url "
                                           "is the primary", retry_after=RETRY_AFTER_S, code="index_read_only") from None
+        except psycopg.errors.DataError as exc:        # a value PostgreSQL cannot hold (checked earlier where known)
+            raise ValidationError(f"the index database refused a value of this request: "
+                                  f"{str(exc).strip().splitlines()[0]}", code="invalid_value") from None
         except psycopg.errors.UndefinedTable:
             raise NotFoundError("this index version was deleted while the request used it; retry (it goes to "
                                 "the live version)", code="index_not_found") from None

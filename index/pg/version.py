@@ -30,6 +30,17 @@ from ..search import Hit, Query
 from .db import Database
 from .vectors import SPARSE_DIM, dense_type
 
+def _has_nul(value) -> bool:
+    """Whether a string, or any key or string inside a JSON value, holds U+0000."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
 @dataclass(slots=True)
 class VersionRow:
     id: int
@@ -117,6 +128,10 @@ class PgIndex:
         validate_documents(docs)
         if not len(docs) == len(dense) == len(sparse):
             raise ValidationError(f"{len(docs)} documents but {len(dense)} dense and {len(sparse)} sparse vectors")
+        for i, d in enumerate(docs):
+            if _has_nul(d.id) or _has_nul(d.text) or _has_nul(d.metadata):
+                raise ValidationError(f"document {i} ({d.id!r}) holds a NUL character (U+0000), which PostgreSQL "
+                                      "cannot store in text or JSON; remove it", param="documents", code="nul_character")
         now = time.time()
         with self.db.transaction() as cur:
             seq, manifest = self._lock_version(cur)
