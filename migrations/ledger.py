@@ -131,3 +131,12 @@ def _write(index_dir: Path, entries: list[dict]) -> None:
     """Replace the ledger atomically (the whole file under a temp name, renamed)."""
     lines = [json.dumps(e, ensure_ascii=False, sort_keys=True) for e in entries]
     atomic_write(Path(index_dir) / LEDGER, ("\n".join(lines) + "\n").encode("utf-8") if lines else b"")
+
+
+def last_migration(history: list[dict], name: str, live: str) -> dict:
+    """The applied reindex that made `live` live (from the ledger's `history`)."""
+    last = next((e for e in reversed(history) if e.get("version") == live and e.get("kind") == "reindex"), None)
+    if last is None:
+        raise MigrationError(f"index {name!r}: no migration produced the live version {live}; nothing to "
+                             "roll back", code="nothing_to_roll_back")
+    return last

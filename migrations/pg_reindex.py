@@ -26,7 +26,8 @@ from index.pg.store import PgStore
 
 from .errors import GateFailed, MigrationError
 from .gate import run_gate
-from .reindex import (Checkpoint, _carry, _copy, _drop_deleted, _entry, _fault_point, _iso, _last_migration,
+from .ledger import last_migration
+from .reindex import (Checkpoint, _carry, _copy, _drop_deleted, _entry, _fault_point, _iso, carry_passes,
                       writes_since_swap as _writes_since_swap)
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def rollback(store: PgStore, name: str, embedder=None, *, batch_docs: int = 256)
     live again, with the writes made since the swap carried back, in one transaction."""
     with migration_lock(store, name):
         live = store.current(name)
-        last = _last_migration(store.history(name), name, live)
+        last = last_migration(store.history(name), name, live)
         parent, since = last["parent"], last.get("swap_seq", 0)
         t0 = time.time()
         cur_ix, back = store.open(name, version=live), store.open(name, version=parent)
@@ -173,12 +174,7 @@ def rollback(store: PgStore, name: str, embedder=None, *, batch_docs: int = 256)
         _set_retired(store, back.id, None)                  # it takes the writes we carry back
         swapped = False
         try:
-            upto, carried = since, 0
-            for _ in range(5):
-                moved, upto = _carry(cur_ix, back, upto, embedder, batch_docs)
-                carried += moved
-                if moved <= batch_docs:
-                    break
+            carried, upto = carry_passes(cur_ix, back, since, embedder, batch_docs)
             with store.db.transaction() as cur:
                 _hold_writers(store, cur, cur_ix.id)
                 moved, _ = _carry(cur_ix, back, upto, embedder, batch_docs)

@@ -277,7 +277,7 @@ def rollback(store: IndexStore, name: str, embedder=None, *, batch_docs: int = 2
     with migration_lock(index_dir, name):
         ledger.recover(index_dir)                   # a swap a killed run left unrecorded
         live = store.current(name)
-        last = _last_migration(ledger.history(index_dir, resolve=False), name, live)
+        last = ledger.last_migration(ledger.history(index_dir, resolve=False), name, live)
         parent, since = last["parent"], last.get("swap_seq", 0)
         t0 = time.time()
 
@@ -322,12 +322,7 @@ def _carry_back(store: IndexStore, name: str, live: str, parent: str, since: int
     back = store.open(name, version=parent)
     swapped = False
     try:
-        upto, carried = since, 0
-        for _ in range(5):
-            moved, upto = _carry(cur, back, upto, embedder, batch_docs)
-            carried += moved
-            if moved <= batch_docs:
-                break
+        carried, upto = carry_passes(cur, back, since, embedder, batch_docs)
         with _writers_held_off(cur.path):
             moved, _ = _carry(cur, back, upto, embedder, batch_docs)
             n_cur, n_back = cur.docs.counts()["documents"], back.docs.counts()["documents"]
@@ -355,7 +350,7 @@ def writes_since_swap(store: IndexStore, name: str, history: list[dict] | None =
     the parent's model, `model`), and the documents deleted since. (`history`: the ledger, if read.)"""
     history = ledger.history(store.index_dir(name)) if history is None else history  # settles a killed swap
     live = store.current(name)
-    last = _last_migration(history, name, live)
+    last = ledger.last_migration(history, name, live)
     cur = store.open(name, version=live)
     back = store.open(name, version=last["parent"])
     try:
@@ -372,13 +367,16 @@ def writes_since_swap(store: IndexStore, name: str, history: list[dict] | None =
         back.close(snapshot=False)
 
 
-def _last_migration(history: list[dict], name: str, live: str) -> dict:
-    """The applied reindex that made `live` live (from the ledger's `history`)."""
-    last = next((e for e in reversed(history) if e.get("version") == live and e.get("kind") == "reindex"), None)
-    if last is None:
-        raise MigrationError(f"index {name!r}: no migration produced the live version {live}; nothing to "
-                             "roll back", code="nothing_to_roll_back")
-    return last
+def carry_passes(src: Index, dst: Index, after: int, embedder, batch_docs: int, passes: int = 5) -> tuple[int, int]:
+    """`_carry` until a pass moves at most a batch (the last runs under the write lock, at the
+    swap); returns (documents carried, the last write carried). Either backend's rollback."""
+    carried = 0
+    for _ in range(passes):
+        moved, after = _carry(src, dst, after, embedder, batch_docs)
+        carried += moved
+        if moved <= batch_docs:
+            break
+    return carried, after
 
 
 def _carry(src: Index, dst: Index, after: int, embedder, batch_docs: int) -> tuple[int, int]:

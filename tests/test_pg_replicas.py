@@ -152,7 +152,7 @@ def test_two_replicas_writers_searchers_a_swap_and_three_kills(pg_url, tmp_path)
                 where["a"] = a.base
             if reindex is not None and swapped_at is None and reindex.poll() is not None:
                 swapped_at = time.monotonic()
-            assert elapsed < 400, "the scenario did not finish"
+            assert elapsed < 900, "the scenario did not finish"     # a hang guard, not a speed bound
             time.sleep(0.5)
         stop.set()
         for t in threads:

@@ -3,6 +3,7 @@
     <schema>.indexes    name → live_version: the row a swap updates (the local backend's CURRENT)
     <schema>.versions   (index, version) → manifest, write sequence, retired_by, checkpoint, id
     <schema>.docs_<id>  one table of documents per version (index.pg.version)
+    <schema>.lex_<id>   BM25 versions: their postings (token, label, tf)
     <schema>.ledger     one row per swap that went live, written in the swap's own transaction
 
 Creating an index or a version (rows, table, its indexes) and deleting one are single
