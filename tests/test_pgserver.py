@@ -1,4 +1,4 @@
-"""The test PostgreSQL itself (tests/pgserver.py): the versions it brings, pgvector's HNSW index on inner
+"""The test PostgreSQL itself (tests/pg_testserver.py): the versions it brings, pgvector's HNSW index on inner
 product, and a crash (SIGKILL) it comes back from with its committed data."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_hnsw_inner_product_finds_the_nearest(pg_url):
 
 @pytest.mark.postgres
 def test_killed_server_comes_back_with_its_committed_data(tmp_path):
-    from pgserver import start_postgres
+    from pg_testserver import start_postgres
 
     srv = start_postgres(tmp_path)          # its own cluster: the session one stays up for the others
     try:

