@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 from index.core import TEMP_LOCK
@@ -140,3 +141,25 @@ def last_migration(history: list[dict], name: str, live: str) -> dict:
         raise MigrationError(f"index {name!r}: no migration produced the live version {live}; nothing to "
                              "roll back", code="nothing_to_roll_back")
     return last
+
+
+def iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def reindex_entry(name, old_manifest, live, version, embedder, ck, report, t0: float, engine) -> dict:
+    """The ledger entry of a reindex into `version` (either backend's), before its status."""
+    seconds = max(time.time() - t0, 1e-9)
+    return {"kind": "reindex", "index": name, "parent": live, "version": version,
+            "from_model": old_manifest.model, "from_fingerprint": old_manifest.fingerprint,
+            "to_model": embedder.identity.model, "to_fingerprint": embedder.identity.fingerprint,
+            "documents": report.documents, "embedded": ck.embedded, "gate": report.to_dict(),
+            "swap_seq": ck.swap_seq, "started_at": iso(ck.started_at), "finished_at": iso(time.time()),
+            "docs_per_s": round(ck.embedded / seconds, 1), "engine": "ray" if engine is not None else "in-process"}
+
+
+def rollback_entry(name: str, live: str, last: dict, carried: int, t0: float) -> dict:
+    """The ledger entry of a rollback of `live` to the parent of `last` (the migration it undoes)."""
+    return {"kind": "rollback", "index": name, "parent": live, "version": last["parent"],
+            "from_model": last["to_model"], "to_model": last["from_model"], "carried": carried,
+            "finished_at": iso(time.time()), "seconds": round(time.time() - t0, 4)}

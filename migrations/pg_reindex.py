@@ -26,9 +26,9 @@ from index.pg.store import PgStore
 
 from .errors import GateFailed, MigrationError
 from .gate import run_gate
-from .ledger import last_migration
-from .reindex import (Checkpoint, _carry, _copy, _drop_deleted, _entry, _fault_point, _iso, carry_passes,
-                      writes_since_swap as _writes_since_swap)
+from .ledger import last_migration, reindex_entry, rollback_entry
+from .reindex import (Checkpoint, _carry, _copy, _drop_deleted, _fault_point, carry_passes, copy_passes,
+                      live_to_migrate, writes_since_swap as _writes_since_swap)
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +77,7 @@ def reindex(store: PgStore, name: str, embedder, *, batch_docs: int = 256, sampl
             dry_run: bool = False, old_embedder=None, on_batch=None, max_passes: int = 5, engine=None) -> dict:
     """`migrations.reindex.reindex` on PostgreSQL: same arguments, same ledger entry."""
     with migration_lock(store, name):
-        live = store.current(name)
-        old_manifest = store.manifest(name, live)
-        if old_manifest.fingerprint == embedder.identity.fingerprint:
-            raise MigrationError(f"index {name!r} is already built with {embedder.identity.model!r}; nothing to "
-                                 "reindex", code="same_model")
+        live, old_manifest = live_to_migrate(store, name, embedder)
         version, ck = _target(store, name, live, embedder)
         t0 = time.time()
         old = store.open(name, version=live)
@@ -89,11 +85,7 @@ def reindex(store: PgStore, name: str, embedder, *, batch_docs: int = 256, sampl
 
         def save(c: Checkpoint) -> None:
             store.save_checkpoint(name, version, asdict(c))
-        for p in range(max_passes):
-            moved = (_copy(old, new, embedder, ck, save, batch_docs, on_batch, engine if p == 0 else None)
-                     + _drop_deleted(old, new))
-            if moved <= batch_docs:
-                break
+        copy_passes(old, new, embedder, ck, save, batch_docs, on_batch, engine, max_passes)
         store.build_ann(name, version)           # one bulk build (a resumed run may find it built)
         report = run_gate(old, new, embedder, sample=sample, old_embedder=old_embedder)
         if not report.ok:
@@ -101,8 +93,8 @@ def reindex(store: PgStore, name: str, embedder, *, batch_docs: int = 256, sampl
                              report)
 
         def entry() -> dict:
-            return {**_entry(name, old_manifest, live, version, embedder, ck, report, t0),
-                    "engine": "ray" if engine is not None else "in-process", "status": "applied"}
+            return {**reindex_entry(name, old_manifest, live, version, embedder, ck, report, t0, engine),
+                    "status": "applied"}
         if dry_run:
             return {**entry(), "swapped": False}
         with store.db.transaction() as cur:
@@ -160,9 +152,7 @@ def rollback(store: PgStore, name: str, embedder=None, *, batch_docs: int = 256)
         cur_ix, back = store.open(name, version=live), store.open(name, version=parent)
 
         def entry(carried: int) -> dict:
-            return {"kind": "rollback", "index": name, "parent": live, "version": parent,
-                    "from_model": last["to_model"], "to_model": last["from_model"], "carried": carried,
-                    "finished_at": _iso(time.time()), "seconds": round(time.time() - t0, 4), "status": "applied"}
+            return {**rollback_entry(name, live, last, carried, t0), "status": "applied"}
         with store.db.transaction() as cur:
             untouched = bool(since) and _hold_writers(store, cur, cur_ix.id) == since   # nothing written since
             if untouched:

@@ -157,6 +157,27 @@ def _copy(old: Index, new: Index, embedder, ck: Checkpoint, save: Callable[[Chec
     return total
 
 
+def copy_passes(old: Index, new: Index, embedder, ck: Checkpoint, save: Callable[[Checkpoint], None],
+                batch_docs: int, on_batch, engine, max_passes: int) -> None:
+    """The first pass copies everything (on `engine` if given); the next ones catch up with writes
+    made meanwhile, until the gap is small (the last one runs at the swap). Either backend's."""
+    for p in range(max_passes):
+        moved = (_copy(old, new, embedder, ck, save, batch_docs, on_batch, engine if p == 0 else None)
+                 + _drop_deleted(old, new))
+        if moved <= batch_docs:
+            break
+
+
+def live_to_migrate(store, name: str, embedder):
+    """(live version, its manifest), refused when the live version is `embedder`'s model already."""
+    live = store.current(name)
+    old_manifest = store.manifest(name, live)
+    if old_manifest.fingerprint == embedder.identity.fingerprint:
+        raise MigrationError(f"index {name!r} is already built with {embedder.identity.model!r}; nothing to "
+                             "reindex", code="same_model")
+    return live, old_manifest
+
+
 def _local_batches(old: Index, ck: Checkpoint, batch_docs: int):
     """Batches of live documents after the checkpoint (read as it advances), vectors left to the caller."""
     while rows := old.docs.documents_after(ck.copied_upto, batch_docs):
@@ -181,33 +202,21 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
     index_dir = store.index_dir(name)
     with migration_lock(index_dir, name):
         ledger.recover(index_dir)                   # a swap a killed run left unrecorded
-        live = store.current(name)
-        old_manifest = store.manifest(name, live)
-        if old_manifest.fingerprint == embedder.identity.fingerprint:
-            raise MigrationError(f"index {name!r} is already built with {embedder.identity.model!r}; nothing to "
-                                 "reindex", code="same_model")
+        live, old_manifest = live_to_migrate(store, name, embedder)
         version, ck = _target(store, name, live, embedder)
         new_dir = store.version_dir(name, version)
         t0 = time.time()
         old = store.open(name, version=live)
         new = store.open(name, embedder.identity, version=version)
         try:
-            # the first pass copies everything; the next ones catch up with writes made meanwhile,
-            # until the gap is small (the last one runs under the write lock at the swap)
-            for p in range(max_passes):
-                moved = (_copy(old, new, embedder, ck, ck.save_to(new_dir), batch_docs, on_batch,
-                               engine if p == 0 else None)
-                         + _drop_deleted(old, new))
-                if moved <= batch_docs:
-                    break
+            copy_passes(old, new, embedder, ck, ck.save_to(new_dir), batch_docs, on_batch, engine, max_passes)
             report = run_gate(old, new, embedder, sample=sample, old_embedder=old_embedder)
             if not report.ok:
                 raise GateFailed(f"the gate refused {name}/{version}; {live} stays live: "
                                  + "; ".join(report.failures()), report)
 
             def entry() -> dict:
-                return {**_entry(name, old_manifest, live, version, embedder, ck, report, t0),
-                        "engine": "ray" if engine is not None else "in-process"}
+                return ledger.reindex_entry(name, old_manifest, live, version, embedder, ck, report, t0, engine)
             if dry_run:
                 return {**entry(), "swapped": False}
             with _settled_on_error(index_dir):
@@ -257,16 +266,6 @@ def _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_d
     return entry
 
 
-def _entry(name, old_manifest, live, version, embedder, ck: Checkpoint, report: GateReport, t0: float) -> dict:
-    seconds = max(time.time() - t0, 1e-9)
-    return {"kind": "reindex", "index": name, "parent": live, "version": version,
-            "from_model": old_manifest.model, "from_fingerprint": old_manifest.fingerprint,
-            "to_model": embedder.identity.model, "to_fingerprint": embedder.identity.fingerprint,
-            "documents": report.documents, "embedded": ck.embedded, "gate": report.to_dict(),
-            "swap_seq": ck.swap_seq, "started_at": _iso(ck.started_at), "finished_at": _iso(time.time()),
-            "docs_per_s": round(ck.embedded / seconds, 1)}
-
-
 def rollback(store: IndexStore, name: str, embedder=None, *, batch_docs: int = 256) -> dict:
     """Move `CURRENT` back to the version the last migration replaced, carrying over the writes
     made to the live version since the swap (documents added or changed: re-embedded by
@@ -282,10 +281,7 @@ def rollback(store: IndexStore, name: str, embedder=None, *, batch_docs: int = 2
         t0 = time.time()
 
         def begin(carried: int) -> dict:
-            return ledger.begin(index_dir, {
-                "kind": "rollback", "index": name, "parent": live, "version": parent,
-                "from_model": last["to_model"], "to_model": last["from_model"], "carried": carried,
-                "finished_at": _iso(time.time()), "seconds": round(time.time() - t0, 4)})
+            return ledger.begin(index_dir, ledger.rollback_entry(name, live, last, carried, t0))
         with _settled_on_error(index_dir):
             begun = _move_back_if_untouched(store, name, live, parent, since, begin) or \
                 _carry_back(store, name, live, parent, since, embedder, batch_docs, begin)
@@ -411,8 +407,4 @@ def prune(store: IndexStore, name: str, keep: int) -> list[str]:
     for v in doomed:
         shutil.rmtree(store.version_dir(name, v))
     return doomed
-
-
-def _iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 

@@ -218,6 +218,14 @@ def unit_vector(seed: int, dim: int):
     return v / np.linalg.norm(v)
 
 
+def unit_terms(seed: int):
+    """A few sparse terms (ids below 40, positive weights), the same for the same seed."""
+    import numpy as np
+    rng = np.random.default_rng(seed + 7)
+    ids = np.unique(rng.integers(0, 40, 5)).astype(np.int64)
+    return ids, rng.random(len(ids)).astype(np.float32) + 0.05
+
+
 def build_wiki_index(root: Path, model, n: int) -> Path:
     """Index `wiki` under `root` with the first `n` Wikipedia documents embedded by `model`."""
     from embedserve.embedders import ModelEmbedder

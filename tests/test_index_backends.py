@@ -25,7 +25,7 @@ from index.manifest import DenseConfig, ModelIdentity
 from index.search import Query
 from index.verify import verify_index
 
-from helpers import unit_identity, unit_vector
+from helpers import unit_identity, unit_terms as terms, unit_vector
 
 DIM = 16
 IDENT = unit_identity(DIM)
@@ -33,12 +33,6 @@ IDENT = unit_identity(DIM)
 
 def vec(seed: int, dim: int = DIM) -> np.ndarray:
     return unit_vector(seed, dim)
-
-
-def terms(seed: int):
-    rng = np.random.default_rng(seed + 7)
-    ids = np.unique(rng.integers(0, 40, 5)).astype(np.int64)
-    return ids, rng.random(len(ids)).astype(np.float32) + 0.05
 
 
 def put(ix, seeds, meta=None, ident=IDENT):

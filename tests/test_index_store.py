@@ -22,7 +22,7 @@ from index.sparse import B, K1, SparseIndex
 from index.store import IndexStore
 from index.verify import verify_index
 
-from helpers import unit_identity, unit_vector
+from helpers import unit_identity, unit_terms as terms, unit_vector
 
 DIM = 16
 IDENT = unit_identity(DIM)
@@ -30,12 +30,6 @@ IDENT = unit_identity(DIM)
 
 def vec(seed: int) -> np.ndarray:
     return unit_vector(seed, DIM)
-
-
-def terms(seed: int):
-    rng = np.random.default_rng(seed + 7)
-    ids = np.unique(rng.integers(0, 40, 5)).astype(np.int64)
-    return ids, rng.random(len(ids)).astype(np.float32) + 0.05
 
 
 def put(ix, seeds, texts=None, meta=None):

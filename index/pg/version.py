@@ -79,10 +79,6 @@ class PgIndex:
         """What tells this version apart from any other, ever (its row id)."""
         return self.id
 
-    @property
-    def path(self):                                 # what the local backend's callers log
-        return f"postgres:{self.db.schema}.docs_{self.id}"
-
     def sql(self, text: str):
         return self.db.sql.SQL(text).format(t=self.table, p=self.postings, versions=self.db.name("versions"))
 
@@ -106,9 +102,7 @@ class PgIndex:
         retiring it holds it), refuse a retired or deleted version, return (seq, manifest)."""
         cur.execute(self.sql("SELECT seq, manifest, retired_by FROM {versions} WHERE id = %s FOR UPDATE"),
                     (self.id,))
-        return self._locked(cur.fetchone())
-
-    def _locked(self, row) -> tuple[int, Manifest]:
+        row = cur.fetchone()
         if row is None:
             raise NotFoundError(f"index {self.name!r} version {self.version} was deleted; retry against the live "
                                 "version", code="index_not_found")
@@ -351,6 +345,3 @@ class PgDocs:
                 out.append((int(r[0]), r[1], r[2], r[3], None if r[4] is None else np.array(r[4], np.float32), s))
             yield out
             last = rows[-1][0]
-
-    def integrity(self) -> str:
-        return "ok"
