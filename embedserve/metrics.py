@@ -71,6 +71,9 @@ class Metrics:
         self.gen_prompt_tokens = Counter("embedserve_gen_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.gen_tokens = Counter("embedserve_gen_generation_tokens", "Tokens generated", registry=r)
         self.gen_preemptions = Counter("embedserve_gen_preemptions", "Sequences preempted", registry=r)
+        self.rerank_pairs = Counter("embedserve_rerank_pairs", "Query-document pairs scored by cross-encoders "
+                                    "(their batches count in the embed_batch_* and queue families too)", registry=r)
+        self.rerank_tokens = Counter("embedserve_rerank_tokens", "Real tokens of the pairs scored", registry=r)
         self.dropped = Counter("embedserve_embed_dropped_inputs",
                                "Inputs dropped before the model because their client went away", registry=r)
         self._storage: _StorageCollector | None = None

@@ -36,8 +36,12 @@ def build_embed_engine(cfg: ServerConfig, model: EmbeddingModel, metrics=None) -
     """Check the model against the limits, warm it up, and start its engine thread."""
     engine = EmbedEngine(model, cfg.embed, metrics)
     # a short and a long (cut to the limit, as requests are) input: every model, even a tiny one
-    warm = [model.truncate(ids, engine.max_input_length) for ids in model.tokenize(["warm-up", "预热 " * 64])]
-    model.embed(warm, model.spec.embedding_types)
+    if model.spec.task == "rerank":
+        pairs = model.pairs("warm-up", ["warm-up", "预热 " * 64], engine.max_input_length)
+        model.embed(pairs.inputs, {"score"}, pairs.segments)
+    else:
+        warm = [model.truncate(ids, engine.max_input_length) for ids in model.tokenize(["warm-up", "预热 " * 64])]
+        model.embed(warm, model.spec.embedding_types)
     engine.stall_after = cfg.http.stall_timeout
     engine.start()
     return engine
@@ -49,8 +53,9 @@ def attach_embedders(state: AppState, models: EmbeddingModel | list[EmbeddingMod
     for model in (models if isinstance(models, list) else [models]):
         engine = build_embed_engine(state.config, model, state.metrics)
         name = state.add_embedder(engine)
-        logger.info("model %s ready (%s, dim %d, max input %d tokens)", name, model.spec.dtype,
-                    model.spec.dim, engine.max_input_length)
+        what = "reranker" if model.spec.task == "rerank" else f"dim {model.spec.dim}"
+        logger.info("model %s ready (%s, %s, max input %d tokens)", name, model.spec.dtype, what,
+                    engine.max_input_length)
     state.ready = True
 
 

@@ -42,9 +42,11 @@ async def wait_disconnect(request: Request) -> None:
 
 
 async def embed_via_engine(state: AppState, inputs: list[list[int]], want: set[str],
-                           request: Request | None = None, engine=None) -> EmbedRequest | None:
+                           request: Request | None = None, engine=None,
+                           segments: list[int | None] | None = None) -> EmbedRequest | None:
     """Submit token-id inputs to `engine` (default: the default model's) and wait; None if the
-    client went away first (its queued inputs are then dropped before the model runs them)."""
+    client went away first (its queued inputs are then dropped before the model runs them).
+    `segments`: a cross-encoder's pairs, where each one's document segment starts."""
     engine = engine or state.require_embedder()
     loop = asyncio.get_running_loop()
     done = loop.create_future()
@@ -52,7 +54,7 @@ async def embed_via_engine(state: AppState, inputs: list[list[int]], want: set[s
     def on_done(r):
         loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
 
-    req = EmbedRequest(inputs=inputs, want=frozenset(want), on_done=on_done)
+    req = EmbedRequest(inputs=inputs, want=frozenset(want), on_done=on_done, segments=segments)
     engine.submit(req)
     state.metrics.tokens.inc(req.num_tokens)
     waiters = {done}

@@ -12,10 +12,28 @@ from index.manifest import ModelIdentity
 from ..config import ServerConfig
 from ..engine.embed_engine import EmbedEngine
 from ..engine.generator import Generator
-from ..errors import NotFoundError, UnavailableError
+from ..errors import NotFoundError, UnavailableError, UnsupportedError
 from ..metrics import Metrics
 from ..paths import index_root
 from .auth import KeyRing
+
+
+def can_rerank(engine: EmbedEngine) -> bool:
+    """A cross-encoder, or an embedder with a ColBERT head (BGE-M3's late interaction)."""
+    return engine.task == "rerank" or "colbert" in engine.embedding_types
+
+
+def rerank_methods(engine: EmbedEngine) -> list[str]:
+    """How `engine` reranks: a cross-encoder, or BGE-M3's scores from the heads it has."""
+    if engine.task == "rerank":
+        return ["cross-encoder"]
+    if "colbert" not in engine.embedding_types:
+        return []
+    heads = engine.embedding_types
+    return [m for m in M3_METHODS if all(part in heads for part in m.split("+"))]
+
+
+M3_METHODS = ("colbert", "dense", "sparse", "sparse+dense", "colbert+sparse+dense")
 
 
 @dataclass
@@ -24,7 +42,9 @@ class AppState:
 
     config: ServerConfig
     metrics: Metrics = field(default_factory=Metrics)
-    embedders: dict[str, EmbedEngine] = field(default_factory=dict)    # served name -> engine; first = default
+    # served name -> engine of every encoder, embedders and rerankers (`engine.task`); the first
+    # embedder is the default for embeddings, the first reranker for reranking
+    embedders: dict[str, EmbedEngine] = field(default_factory=dict)
     generator: Generator | None = None
     ready: bool = False
     load_error: str | None = None
@@ -47,12 +67,17 @@ class AppState:
 
     @property
     def embedder(self) -> EmbedEngine | None:
-        """The default embedding engine (the first `--model`)."""
-        return next(iter(self.embedders.values()), None)
+        """The default embedding engine (the first embedding `--model`)."""
+        return next(iter(self.engines("embed").values()), None)
+
+    def engines(self, task: str) -> dict[str, EmbedEngine]:
+        """The served encoders of `task` ("embed" | "rerank"), by name, in `--model` order."""
+        return {n: e for n, e in self.embedders.items() if e.task == task}
 
     @property
     def served_name(self) -> str:
-        return next(iter(self.embedders), None) or self.config.http.served_model_name or self.config.embed.models[0]
+        return (next(iter(self.engines("embed")), None) or next(iter(self.embedders), None)
+                or self.config.http.served_model_name or self.config.embed.models[0])
 
     def add_embedder(self, engine: EmbedEngine) -> str:
         """Serve `engine`'s model; the first one takes `--served-model-name`. Returns its name."""
@@ -67,16 +92,48 @@ class AppState:
     def require_embedder(self, requested: str | None = None, what: str = "") -> EmbedEngine:
         """The engine of `requested` (a request's `model`; None: the default), 503 while loading,
         404 naming the served models if it is not one of them."""
+        engine = self._find(requested, what)
+        if engine is None or engine.task == "embed":
+            if engine is None and self.embedder is None:
+                raise UnsupportedError(f"this server serves no embedding model, only {self._served('rerank')}; "
+                                       "start it with an embedding --model", param="model")
+            return engine or self.embedder
+        raise UnsupportedError(f"model {requested!r} is a reranker (it scores query-document pairs: POST "
+                               f"/v1/rerank); embedding models served here: {self._served('embed') or 'none'}",
+                               param="model")
+
+    def require_reranker(self, requested: str | None = None) -> EmbedEngine:
+        """The engine that reranks for `requested` (None: the first cross-encoder, else the first
+        embedder with a ColBERT head): a cross-encoder, or a BGE-M3-style embedder; a 400 naming
+        the models that can when `requested` cannot."""
+        engine = self._find(requested)
+        able = {n: e for n, e in self.embedders.items() if can_rerank(e)}
+        if engine is None:
+            engine = next(iter(self.engines("rerank").values()), None) or next(iter(able.values()), None)
+            if engine is None:
+                raise UnsupportedError("this server serves no model that reranks: start it with a cross-encoder "
+                                       "(--model ms-marco-MiniLM-L-12-v2) or a BGE-M3 model", param="model")
+        if not can_rerank(engine):
+            names = ", ".join(repr(n) for n in able) or "none"
+            raise UnsupportedError(f"model {requested!r} is an embedding model without a ColBERT head and cannot "
+                                   f"rerank; models served here that can: {names}", param="model")
+        return engine
+
+    def _find(self, requested: str | None, what: str = "") -> EmbedEngine | None:
+        """The engine serving `requested` (None: None), 503 while loading, 404 naming the served models."""
         if not self.ready or not self.embedders:
             raise UnavailableError("model is loading; retry shortly", retry_after=5)
         if requested is None:
-            return self.embedder
+            return None
         for name, engine in self.embedders.items():
             if requested in (name, engine.spec.name):
                 return engine
         served = ", ".join(repr(n) for n in self.embedders)
         raise NotFoundError(f"model {requested!r} is not served here; this server serves {served}{what} "
                             "(GET /v1/models)", param="model")
+
+    def _served(self, task: str) -> str:
+        return ", ".join(repr(n) for n in self.engines(task))
 
     def identity(self, engine: EmbedEngine | None = None) -> ModelIdentity:
         """An engine's model identity (default engine): what index manifests are checked against."""
@@ -86,7 +143,7 @@ class AppState:
         """The served engine whose model built this index version; if none, the manifest's own
         409 against the default model (never embed a query with one model to search another's)."""
         self.require_embedder()
-        for engine in self.embedders.values():
+        for engine in self.engines("embed").values():
             try:
                 manifest.check(self.identity(engine), "serve")
                 return engine

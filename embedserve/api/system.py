@@ -17,7 +17,7 @@ from index.durable import volume_state
 from ..errors import UnavailableError
 from .errors import error_response
 from .openapi import ErrorEnvelope, route_doc
-from .state import AppState
+from .state import AppState, rerank_methods
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,8 @@ class Ready(BaseModel):
 
 
 class ModelObject(BaseModel):
-    """A served model: an embedding model (dimensions, limits, ...) or the generation model
+    """A served model: an embedding model (`task: "embed"`, dimensions, limits, ...), a reranker
+    (`task: "rerank"`: a cross-encoder scoring query-document pairs) or the generation model
     (`task: "generate"`, `max_model_len`)."""
 
     id: str
@@ -47,7 +48,9 @@ class ModelObject(BaseModel):
     fingerprint: str | None = None
     limits: dict[str, int] | None = Field(default=None, description="what one request must stay under")
     max_model_len: int | None = None
-    task: Literal["generate"] | None = None
+    task: Literal["embed", "rerank", "generate"]
+    rerank: list[str] | None = Field(default=None, description="how this model reranks (POST /v1/rerank): "
+                                     "`cross-encoder`, or an embedder's `scoring` methods")
 
 
 class ModelList(BaseModel):
@@ -115,11 +118,16 @@ def build_router(state: AppState) -> APIRouter:
         data = []
         for name, eng in (state.embedders.items() if state.ready else ()):
             spec = eng.spec
-            data.append({"id": name, "object": "model", "created": state.created,
-                         "owned_by": "embedserve", "dimensions": spec.dim,
-                         "max_input_length": eng.max_input_length, "pooling": spec.pooling,
-                         "embedding_types": ["dense"] + sorted(eng.embedding_types - {"dense"}),
-                         "dtype": spec.dtype, "fingerprint": spec.fingerprint, "limits": _limits(state, eng)})
+            row = {"id": name, "object": "model", "created": state.created, "owned_by": "embedserve",
+                   "task": eng.task, "max_input_length": eng.max_input_length, "dtype": spec.dtype,
+                   "fingerprint": spec.fingerprint, "limits": _limits(state, eng)}
+            if eng.task == "embed":
+                row.update(dimensions=spec.dim, pooling=spec.pooling,
+                           embedding_types=["dense"] + sorted(eng.embedding_types - {"dense"}))
+            methods = rerank_methods(eng)
+            if methods:
+                row["rerank"] = methods
+            data.append(row)
         if state.generator is not None:
             g = state.generator
             data.append({"id": g.name, "object": "model", "created": state.created, "owned_by": "embedserve",

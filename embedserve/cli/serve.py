@@ -120,7 +120,7 @@ def _index_backend(cfg: ServerConfig) -> str:
 def cmd_serve(args) -> int:
     import torch
     import uvicorn
-    from ..models.embedding_model import EmbeddingModel
+    from ..models.cross_encoder import load_model
     from ..serve import DrainingServer, build_app, load_generator
 
     cfg = config_from_args(args)
@@ -144,8 +144,8 @@ def cmd_serve(args) -> int:
         if "server" in server_box:
             server_box["server"].should_exit = True
 
-    app = build_app(cfg, loader=lambda: [EmbeddingModel(path, name=name, dtype=cfg.compute.dtype,
-                                                        device=cfg.compute.device) for name, path in resolved],
+    app = build_app(cfg, loader=lambda: [load_model(path, name=name, dtype=cfg.compute.dtype,
+                                                    device=cfg.compute.device) for name, path in resolved],
                     on_load_error=on_load_error, gen_loader=gen_loader)
     # drained first (DrainingServer), so uvicorn's own grace period only closes idle connections
     server = DrainingServer(uvicorn.Config(app, host=http.host, port=http.port, log_level=http.log_level,

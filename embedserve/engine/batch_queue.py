@@ -39,6 +39,8 @@ class EmbedRequest:
     status: RequestStatus = RequestStatus.WAITING
     first_scheduled: float | None = None
     error: BaseException | None = None
+    # per input, where its second segment starts (a cross-encoder's query-document pair), or None
+    segments: list[int | None] | None = None
 
     def __post_init__(self):
         self.outputs = [None] * len(self.inputs)

@@ -65,6 +65,11 @@ class EmbedEngine(EngineThread):
         return self.model.spec
 
     @property
+    def task(self) -> str:
+        """"embed" (an embedding model) or "rerank" (a cross-encoder scoring pairs)."""
+        return self.model.spec.task
+
+    @property
     def embedding_types(self) -> set[str]:
         """What this model can produce from one forward pass."""
         return self.model.spec.embedding_types
@@ -157,10 +162,14 @@ class EmbedEngine(EngineThread):
             if not batch:
                 continue
             want = set().union(*(e.request.want for e in batch))
+            inputs = [e.request.inputs[e.index] for e in batch]
+            # a cross-encoder's pairs carry where their document segment starts (token type 1)
+            extra = ({"segments": [e.request.segments[e.index] if e.request.segments else None for e in batch]}
+                     if any(e.request.segments for e in batch) else {})
             t0 = time.perf_counter()
             try:
                 with COMPUTE_LOCK, self.busy():
-                    outs, computed = self.model.embed([e.request.inputs[e.index] for e in batch], want)
+                    outs, computed = self.model.embed(inputs, want, **extra)
             except Exception as exc:  # a model failure fails this batch's requests, not the engine
                 logger.exception("embedding batch of %d inputs failed", len(batch))
                 self.last_error = exc
@@ -175,6 +184,9 @@ class EmbedEngine(EngineThread):
             m.real_tokens.inc(real)
             m.computed_tokens.inc(computed)
             m.padding_ratio.set(real / max(computed, 1))
+            if self.task == "rerank":
+                m.rerank_pairs.inc(len(batch))
+                m.rerank_tokens.inc(real)
             self._deliver(batch, outs)
 
     def _deliver(self, batch, outs) -> None:

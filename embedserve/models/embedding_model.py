@@ -61,13 +61,18 @@ class ModelSpec:
     has_colbert: bool
     dtype: str
     fingerprint: str
+    task: str = "embed"     # "embed" | "rerank" (a cross-encoder: scores query-document pairs)
+    num_labels: int = 0     # a cross-encoder's classifier outputs
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
 
     @property
     def embedding_types(self) -> set[str]:
-        """What the model produces from one forward pass: dense, and its heads."""
+        """What the model produces from one forward pass: dense, and its heads (a cross-encoder:
+        its classifier's logits, `score`)."""
+        if self.task == "rerank":
+            return {"score"}
         return {"dense"} | ({"sparse"} if self.has_sparse else set()) | ({"colbert"} if self.has_colbert else set())
 
 
@@ -78,6 +83,7 @@ class EmbedOutput:
     dense: np.ndarray | None = None                          # (D,) float32
     sparse: tuple[np.ndarray, np.ndarray] | None = None      # (token ids int64, weights float32)
     colbert: np.ndarray | None = None                        # (n_tokens - 1, D_c) float32
+    score: np.ndarray | None = None                          # (num_labels,) float32 logits (a cross-encoder)
 
 
 def read_conventions(path: Path) -> dict:
@@ -134,6 +140,8 @@ def _load_head(path: Path, device: torch.device) -> tuple[torch.Tensor, torch.Te
 class EmbeddingModel:
     """Tokenize, then embed token-id lists into dense / sparse / ColBERT outputs."""
 
+    task = "embed"
+
     def __init__(self, path: str | Path, name: str | None = None, dtype: str = "auto",
                  device: str = "cpu"):
         self.path = Path(path)
@@ -141,7 +149,7 @@ class EmbeddingModel:
             raise FileNotFoundError(f"{self.path} is not a Hugging Face model directory (no config.json)")
         self.device = torch.device(device)
         self.cfg = EncoderConfig.from_dir(self.path)
-        conv = read_conventions(self.path)
+        conv = self._conventions()
         self.pooling = conv.get("pooling", "mean")
         self.normalize = bool(conv.get("normalize", True))
         self.prefixes = {"query": conv.get("query_prefix", ""), "passage": conv.get("passage_prefix", "")}
@@ -162,7 +170,10 @@ class EmbeddingModel:
             passage_prefix=self.prefixes["passage"], max_input_length=self.max_input_length,
             vocab_size=self.cfg.vocab_size, has_sparse=self.sparse_head is not None,
             has_colbert=self.colbert_head is not None,
-            dtype=self.precision, fingerprint=self.fingerprint)
+            dtype=self.precision, fingerprint=self.fingerprint, task=self.task)
+
+    def _conventions(self) -> dict:
+        return read_conventions(self.path)
 
     # ----------------------------------------------------------------- loading
     def _load_tokenizer(self) -> Tokenizer:
@@ -276,13 +287,15 @@ class EmbeddingModel:
         return ids[: limit - len(self.eos_ids)] + self.eos_ids
 
     # --------------------------------------------------------------- embedding
-    def embed(self, batch: list[list[int]], want: set[str]) -> tuple[list[EmbedOutput], int]:
+    def embed(self, batch: list[list[int]], want: set[str], segments: list[int | None] | None = None
+              ) -> tuple[list[EmbedOutput], int]:
         """Embed token-id lists; returns outputs in input order and the computed token count
-        (real tokens plus attention padding) for the padding-efficiency metric."""
-        return self.embed_with(self.encoder, batch, want)
+        (real tokens plus attention padding) for the padding-efficiency metric. `segments`: per
+        input, where its second segment (token type 1) starts, or None (a cross-encoder's pairs)."""
+        return self.embed_with(self.encoder, batch, want, segments)
 
-    def embed_with(self, encoder: Encoder, batch: list[list[int]], want: set[str]
-                   ) -> tuple[list[EmbedOutput], int]:
+    def embed_with(self, encoder: Encoder, batch: list[list[int]], want: set[str],
+                   segments: list[int | None] | None = None) -> tuple[list[EmbedOutput], int]:
         """`embed` through `encoder`: this model's, or another precision's from `load_encoder`
         (what the precision probe and the studies compare)."""
         order = sorted(range(len(batch)), key=lambda i: -len(batch[i]))
@@ -294,9 +307,19 @@ class EmbeddingModel:
         dev = self.device
         ids = torch.tensor([t for i in order for t in batch[i]], dtype=torch.long, device=dev)
         pos = torch.cat([torch.arange(L) for L in lengths]).to(dev)
-        h = encoder(ids, pos, plan)                                           # (T, H)
+        types = None
+        if segments is not None and any(s is not None for s in segments):
+            # 0 up to each input's second segment, then that segment's type (BERT: 1)
+            types = (pos >= torch.tensor([segments[i] if segments[i] is not None else L
+                                          for i, L in zip(order, lengths)]).repeat_interleave(
+                torch.tensor(lengths)).to(dev)).long() * self.second_type
+        h = encoder(ids, pos, plan, types)                                    # (T, H)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         outs = [EmbedOutput() for _ in batch]
+        if "score" in want:
+            logits = self.classify(h[torch.as_tensor(starts, device=h.device)]).cpu().numpy()   # (B, labels)
+            for k, i in enumerate(order):
+                outs[i].score = logits[k]
         if "dense" in want:
             dense = self.pool(h, lengths, starts)                            # (B, H) fp32
             dense_np = dense.cpu().numpy()
@@ -314,6 +337,12 @@ class EmbeddingModel:
                 s, L = starts[k], lengths[k]
                 outs[i].colbert = c[s + 1:s + L]
         return outs, plan.computed_tokens
+
+    second_type = 1
+
+    def classify(self, cls: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's head over the first token's hidden states (`CrossEncoderModel`)."""
+        raise ValueError(f"{self.path.name} is an embedding model: it has no classifier to score pairs")
 
     def pool(self, h: torch.Tensor, lengths: list[int], starts: np.ndarray) -> torch.Tensor:
         """The encoder's packed rows `h` (T, H) of sequences of `lengths` from `starts` pooled into

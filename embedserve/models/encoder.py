@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from kernels import cpu_attention
 
@@ -137,7 +137,9 @@ class Encoder(torch.nn.Module):
         self.word = w("embeddings.word_embeddings.weight")                   # (V, H)
         self.pos = w("embeddings.position_embeddings.weight")                # (P, H)
         tt = weights.get("embeddings.token_type_embeddings.weight")
-        self.type0 = (tt[0] if tt is not None else torch.zeros(H)).to(device=device, dtype=dtype)  # (H,)
+        # the whole token-type table: a cross-encoder's second segment is type 1 (BERT); (types, H)
+        self.types = (tt if tt is not None else torch.zeros(1, H)).to(device=device, dtype=dtype).contiguous()
+        self.type0 = self.types[0]                                           # (H,)
         self.emb_ln = (w("embeddings.LayerNorm.weight"), w("embeddings.LayerNorm.bias"))
         self.layers = []
         for i in range(cfg.num_hidden_layers):
@@ -160,23 +162,10 @@ class Encoder(torch.nn.Module):
                  device: torch.device | str = "cpu", pack: bool = True) -> "Encoder":
         """Load HF weights from safetensors only (never pickle)."""
         path = Path(path)
-        cfg = EncoderConfig.from_dir(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path} has no *.safetensors weights; embedserve loads "
-                                    "safetensors only (convert pickled .bin weights first)")
-        weights: dict[str, torch.Tensor] = {}
-        for f in files:
-            for k, v in load_file(str(f)).items():
-                for pre in _KEY_PREFIXES:
-                    if k.startswith(pre):
-                        k = k[len(pre):]
-                        break
-                weights[k] = v
-        return cls(cfg, weights, dtype, device, pack)
+        return cls(EncoderConfig.from_dir(path), load_weights(path), dtype, device, pack)
 
     def num_parameters(self) -> int:
-        n = self.word.numel() + self.pos.numel() + self.type0.numel() + 2 * self.cfg.hidden_size
+        n = self.word.numel() + self.pos.numel() + self.types.numel() + 2 * self.cfg.hidden_size
         for layer in self.layers:
             n += sum(t.numel() for v in layer.values() for t in (v if isinstance(v, tuple) else v.tensors()))
         return n
@@ -225,12 +214,14 @@ class Encoder(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                plan: AttentionPlan) -> torch.Tensor:
-        """input_ids, position_ids: (T,) packed in `plan` order -> hidden states (T, H)."""
+                plan: AttentionPlan, token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, position_ids: (T,) packed in `plan` order -> hidden states (T, H).
+        `token_types` (T,): each token's segment (a cross-encoder's pairs); None: all type 0."""
         cfg = self.cfg
         H = cfg.hidden_size
         eps = cfg.layer_norm_eps
-        x = self.word[input_ids] + self.pos[position_ids + cfg.position_offset] + self.type0
+        types = self.type0 if token_types is None else self.types[token_types]
+        x = self.word[input_ids] + self.pos[position_ids + cfg.position_offset] + types
         x = F.layer_norm(x, (H,), *self.emb_ln, eps)                          # (T, H)
         for p in self.layers:
             qkv = p["qkv"](x)                                                # (T, 3H)
@@ -281,6 +272,30 @@ def model_weight_bytes(path: Path, bytes_per_el: int) -> int:
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_weights(path: Path, keys=None) -> dict[str, torch.Tensor]:
+    """The safetensors weights of `path` (never pickle) under encoder names (the `bert.` /
+    `roberta.` ... prefixes cut); with `keys`, only the tensors whose cut name `keys` accepts."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights; embedserve loads "
+                                "safetensors only (convert pickled .bin weights first)")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                name = _cut_prefix(k)
+                if keys is None or keys(name):
+                    weights[name] = fh.get_tensor(k)
+    return weights
+
+
+def _cut_prefix(k: str) -> str:
+    for pre in _KEY_PREFIXES:
+        if k.startswith(pre):
+            return k[len(pre):]
+    return k
 
 
 def load_encoder(path: Path, precision: str, device: torch.device | str = "cpu") -> Encoder:

@@ -165,7 +165,8 @@ def quantize_encoder(encoder, act_dtype: torch.dtype):
             p[name] = (Int8Linear(lin.weight, lin.bias, act_dtype) if name in quantized
                        else Linear(cast(lin.weight), cast(lin.bias), act=lin.act))    # packed, in act_dtype
         p["ln1"], p["ln2"] = tuple(map(cast, p["ln1"])), tuple(map(cast, p["ln2"]))
-    encoder.word, encoder.pos, encoder.type0 = cast(encoder.word), cast(encoder.pos), cast(encoder.type0)
+    encoder.word, encoder.pos, encoder.types = cast(encoder.word), cast(encoder.pos), cast(encoder.types)
+    encoder.type0 = encoder.types[0]
     encoder.emb_ln = tuple(map(cast, encoder.emb_ln))
     encoder.dtype = act_dtype
     return encoder

@@ -1,0 +1,456 @@
+"""Reranking in the shapes clients send, on the same token-budget batcher as embeddings.
+
+    POST /v1/rerank, /rerank   Jina / Cohere v1: model, query, documents, top_n, return_documents
+    POST /rerank with `texts`  text-embeddings-inference: query, texts, raw_scores, return_text, truncate
+    POST /v2/rerank            Cohere v2: model, query, documents (strings), top_n, max_tokens_per_doc
+    POST /v1/score, /score     vLLM: text_1 (one string or a list), text_2 (a list)
+
+Each (query, document) pair is one item of the reranker's batcher; one request's pairs may
+spread over batches and come back in order. A cross-encoder's `relevance_score` is the sigmoid
+of its logit (the logit with `raw_scores`); a BGE-M3 embedder reranks with its own vectors
+(`scoring`: colbert, dense, sparse, or FlagEmbedding's weighted sums, `weights` = [dense,
+sparse, colbert]). Documents are cut to fit (counted in `usage`), never the query: a query that
+leaves no room is a 400.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictBool, StrictFloat, StrictInt
+from starlette.concurrency import run_in_threadpool
+
+from ..embedders import token_batches
+from ..errors import UnsupportedError, ValidationError
+from ..models.cross_encoder import DocumentTooLong, QueryTooLong
+from ..models.scoring import colbert_score, lexical_score
+from .common import embed_via_engine, parse_body
+from .openapi import route_doc
+from .state import M3_METHODS, AppState, rerank_methods
+
+# FlagEmbedding's BGEM3FlagModel.compute_score: weights [dense, sparse, colbert], default all 1
+M3_DEFAULT_WEIGHTS = (1.0, 1.0, 1.0)
+M3_DEFAULT_METHOD = "colbert+sparse+dense"
+_DOCS_SCHEMA = {"type": "array", "minItems": 1, "items": {"anyOf": [
+    {"type": "string"}, {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}]}}
+
+
+class _Rerank(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    query: str = Field(..., min_length=1)
+    top_n: StrictInt | None = Field(default=None, description="return the best `top_n` (default: all)")
+    raw_scores: StrictBool = Field(default=False, description="a cross-encoder's logits instead of their sigmoid")
+    scoring: Literal[M3_METHODS] | None = Field(   # type: ignore[valid-type]
+        default=None, description=f"a BGE-M3 model's score (default {M3_DEFAULT_METHOD}, FlagEmbedding's names)")
+    weights: list[StrictFloat | StrictInt] | None = Field(
+        default=None, min_length=3, max_length=3,
+        description="[dense, sparse, colbert] weights of the BGE-M3 sums (FlagEmbedding's default [1, 1, 1])")
+
+
+class RerankRequest(_Rerank):
+    """POST /v1/rerank and /rerank: Jina's and Cohere v1's shape (plus `raw_scores`, `scoring`, `weights`)."""
+
+    documents: Any = Field(..., description="strings, or objects with `text` (Cohere's `rank_fields` picks others)",
+                           json_schema_extra=_DOCS_SCHEMA)
+    return_documents: StrictBool = False
+    rank_fields: list[str] | None = Field(default=None, min_length=1,
+                                          description="with object documents: the fields ranked on, in order")
+    max_chunks_per_doc: StrictInt | None = Field(default=None, description="Cohere v1's; not supported (400)")
+    max_tokens_per_doc: StrictInt | None = Field(default=None, description="cut each document to this many tokens")
+
+
+class RerankRequestV2(_Rerank):
+    """POST /v2/rerank: Cohere v2's shape."""
+
+    model: str | None = None
+    documents: list[str] = Field(..., min_length=1)
+    max_tokens_per_doc: StrictInt | None = Field(default=None, description="cut each document to this many tokens")
+    return_documents: StrictBool = False
+    priority: StrictInt | None = Field(default=None, description="accepted, not used")
+    relevant_spans: Any = Field(default=None, description="Cohere v2's; not supported (400)")
+
+
+class TEIRerankRequest(BaseModel):
+    """POST /rerank with `texts`: text-embeddings-inference's shape."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    query: str = Field(..., min_length=1)
+    texts: list[str] = Field(..., min_length=1)
+    raw_scores: StrictBool = False
+    return_text: StrictBool = False
+    truncate: StrictBool = False
+    truncation_direction: Literal["right", "Right"] = "right"
+    model: str | None = None
+
+
+class ScoreRequest(BaseModel):
+    """POST /v1/score and /score: vLLM's shape (one `text_1` against each `text_2`, or pairwise lists)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, description="cut each pair's document side "
+                                                     "to at most this many tokens")
+    raw_scores: StrictBool = False
+    user: str | None = Field(default=None, max_length=256)
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int = Field(description="the document's position in the request")
+    relevance_score: float
+    document: RerankDocument | dict | None = None
+
+
+class RerankUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    truncated_documents: list[int] | None = Field(default=None, description="documents cut to fit")
+    truncated_tokens: int | None = Field(default=None, description="document tokens cut in all")
+
+
+class RerankResponse(BaseModel):
+    """200 of POST /v1/rerank, /rerank and /v2/rerank: results sorted by score, best first."""
+
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+    meta: dict = Field(description="Cohere's billed units")
+
+
+class TEIRank(BaseModel):
+    index: int
+    score: float
+    text: str | None = None
+
+
+class TEIRerankResponse(RootModel[list[TEIRank]]):
+    """200 of POST /rerank with `texts`: TEI's list, best first."""
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    """200 of POST /v1/score: one score per pair, in request order."""
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: RerankUsage
+
+
+@dataclass(slots=True)
+class Scored:
+    """Every document's score against its query, in request order, and what it cost."""
+
+    model: str
+    scores: list[float]
+    tokens: int = 0
+    truncated: list[int] = field(default_factory=list)
+    cut_tokens: int = 0
+
+    def usage(self) -> dict:
+        u: dict = {"prompt_tokens": self.tokens, "total_tokens": self.tokens}
+        if self.truncated:
+            u["truncated_documents"], u["truncated_tokens"] = self.truncated, self.cut_tokens
+        return u
+
+
+def _text(value: str, where: str, param: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(f"{where} contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); send "
+                              "valid Unicode text", param=param) from None
+    return value
+
+
+def check_query(query: str, param: str = "query") -> str:
+    if not query.strip():
+        raise ValidationError(f"`{param}` is blank; send the text to rank the documents against", param=param)
+    return _text(query, f"`{param}`", param)
+
+
+def document_texts(raw: Any, rank_fields: list[str] | None, limit: int, param: str = "documents") -> list[str]:
+    """The texts to rank: strings, or objects' `text` (or their `rank_fields`, joined in order)."""
+    if not isinstance(raw, list) or not raw:
+        raise ValidationError(f"`{param}` must be a non-empty list of strings or of objects with `text`", param=param)
+    if len(raw) > limit:
+        raise ValidationError(f"`{param}` has {len(raw)} items; the limit (--max-client-batch-size) is {limit}; "
+                              "split the request", param=param, code="too_many_inputs")
+    texts = []
+    for i, d in enumerate(raw):
+        if isinstance(d, str):
+            texts.append(_text(d, f"document {i}", param))
+            continue
+        if not isinstance(d, dict):
+            raise ValidationError(f"document {i} is a {type(d).__name__}; send a string or an object with `text`",
+                                  param=param)
+        fields = rank_fields or ["text"]
+        missing = [f for f in fields if f not in d]
+        if missing:
+            raise ValidationError(f"document {i} has no {missing[0]!r} field" +
+                                  ("" if rank_fields else "; give each object a `text`, or name its fields in "
+                                   "`rank_fields`"), param=param)
+        bad = next((f for f in fields if not isinstance(d[f], str)), None)
+        if bad is not None:
+            raise ValidationError(f"document {i}'s {bad!r} is a {type(d[bad]).__name__}, not a string", param=param)
+        texts.append(_text(d[fields[0]] if len(fields) == 1 else "\n".join(f"{f}: {d[f]}" for f in fields),
+                           f"document {i}", param))
+    return texts
+
+
+def _positive(value: int | None, param: str) -> int | None:
+    if value is not None and value < 1:
+        raise ValidationError(f"`{param}` is {value}; give a whole number of at least 1, or omit it", param=param)
+    return value
+
+
+async def score_documents(state: AppState, request: Request | None, engine, query: str, texts: list[str], *,
+                          raw: bool = False, truncate: bool = True, max_doc_tokens: int | None = None,
+                          scoring: str | None = None, weights=None, param: str = "documents") -> Scored | None:
+    """Every text's score against `query` through `engine` (a cross-encoder, or a BGE-M3
+    embedder); None if the client went away (its queued pairs never reach the model)."""
+    name = state.name_of(engine)
+    if engine.task != "rerank":
+        return await _score_m3(state, request, engine, name, query, texts, scoring, weights, truncate, param)
+    if scoring is not None or weights is not None:
+        raise UnsupportedError(f"`scoring` and `weights` choose how a BGE-M3 model reranks; {name!r} is a "
+                               "cross-encoder: omit them", param="scoring" if scoring is not None else "weights")
+    model = engine.model
+    problem = model.label_problem()
+    if problem:
+        raise UnsupportedError(problem, param="model")
+    try:
+        pairs = await run_in_threadpool(model.pairs, query, texts, engine.max_input_length, max_doc_tokens, truncate)
+    except QueryTooLong as exc:
+        raise ValidationError(str(exc), param="query", code="context_length_exceeded") from None
+    except DocumentTooLong as exc:
+        raise ValidationError(str(exc), param=param, code="context_length_exceeded") from None
+    outputs = await _through_batcher(state, request, engine, pairs.inputs, {"score"}, pairs.segments)
+    if outputs is None:
+        return None
+    scores = [model.relevance(o.score, raw) for o in outputs]
+    return Scored(name, scores, pairs.num_tokens, pairs.truncated, pairs.cut_tokens)
+
+
+async def _through_batcher(state: AppState, request, engine, inputs: list[list[int]], want: set[str],
+                           segments: list | None = None) -> list | None:
+    """The outputs of `inputs`, in order, in several engine requests where they hold more tokens
+    than the queue may take at once; None if the client went away."""
+    budget = max(state.config.embed.max_batch_tokens, state.config.embed.max_queued_tokens // 4)
+    outputs: list = []
+    for chunk in token_batches([len(x) for x in inputs], budget):
+        req = await embed_via_engine(state, [inputs[i] for i in chunk], want, request, engine,
+                                     [segments[i] for i in chunk] if segments else None)
+        if req is None:
+            return None
+        outputs.extend(req.outputs)
+    return outputs
+
+
+async def _score_m3(state, request, engine, name, query, texts, scoring, weights, truncate, param) -> Scored | None:
+    """BGE-M3 reranking from the model's own vectors (FlagEmbedding's compute_score)."""
+    methods = rerank_methods(engine)
+    method = scoring or (M3_DEFAULT_METHOD if M3_DEFAULT_METHOD in methods else methods[0])
+    if method not in methods:
+        raise UnsupportedError(f"model {name!r} cannot score {method!r}: it has the heads for "
+                               f"{', '.join(methods)}", param="scoring")
+    w = tuple(float(x) for x in weights) if weights is not None else M3_DEFAULT_WEIGHTS
+    if any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+        raise ValidationError("`weights` are [dense, sparse, colbert]: finite, not negative, not all zero",
+                              param="weights")
+    parts = method.split("+")
+    limit = engine.max_input_length
+    ids = await run_in_threadpool(engine.tokenize, [query, *texts])
+    if len(ids[0]) > limit:
+        raise ValidationError(f"the query has {len(ids[0]):,} tokens; the limit is {limit:,}; shorten the query",
+                              param="query", code="context_length_exceeded")
+    truncated = [i - 1 for i in range(1, len(ids)) if len(ids[i]) > limit]
+    if truncated and not truncate:
+        raise ValidationError(f"document {truncated[0]} has {len(ids[truncated[0] + 1]):,} tokens, over the limit "
+                              f"of {limit:,}; shorten it or set truncate=true", param=param,
+                              code="context_length_exceeded")
+    cut = sum(len(ids[i + 1]) - limit for i in truncated)
+    for i in truncated:
+        ids[i + 1] = engine.truncate(ids[i + 1], limit)
+    outputs = await _through_batcher(state, request, engine, ids, set(parts))
+    if outputs is None:
+        return None
+    q = outputs[0]
+    scores = []
+    wd, ws, wc = w
+    for d in outputs[1:]:
+        s = {}
+        if "dense" in parts:
+            s["dense"] = float(np.dot(q.dense.astype(np.float64), d.dense))
+        if "sparse" in parts:
+            s["sparse"] = lexical_score(q.sparse, d.sparse)
+        if "colbert" in parts:
+            s["colbert"] = colbert_score(q.colbert, d.colbert)
+        if len(parts) == 1:
+            scores.append(s[parts[0]])
+        else:
+            pw = {"dense": wd, "sparse": ws, "colbert": wc}
+            total = sum(pw[p] for p in parts)
+            scores.append(sum(s[p] * pw[p] for p in parts) / total)
+    return Scored(name, scores, sum(map(len, ids)), truncated, cut)
+
+
+def _ranked(scores: list[float], top_n: int | None) -> list[int]:
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return order[:top_n] if top_n else order
+
+
+def _rerank_body(scored: Scored, order: list[int], documents, return_documents: bool, version: str) -> dict:
+    results = []
+    for i in order:
+        item: dict = {"index": i, "relevance_score": scored.scores[i]}
+        if return_documents:
+            d = documents[i]
+            item["document"] = {"text": d} if isinstance(d, str) else d
+        results.append(item)
+    return {"id": str(uuid.uuid4()), "model": scored.model, "results": results, "usage": scored.usage(),
+            "meta": {"api_version": {"version": version},
+                     "billed_units": {"search_units": max(1, math.ceil(len(scored.scores) / 100)),
+                                      "input_tokens": scored.tokens}}}
+
+
+def build_router(state: AppState) -> APIRouter:
+    """The rerank and score routes, bound to the app's state."""
+    router = APIRouter()
+    max_docs = state.config.http.max_client_batch_size
+
+    async def rerank_v1(request: Request, body: RerankRequest):
+        engine = state.require_reranker(body.model)
+        query = check_query(body.query)
+        if body.max_chunks_per_doc is not None:
+            raise UnsupportedError("`max_chunks_per_doc` is not supported: documents are cut to fit the model "
+                                   "(set `max_tokens_per_doc` to cut them shorter); omit it",
+                                   param="max_chunks_per_doc")
+        texts = document_texts(body.documents, body.rank_fields, max_docs)
+        top_n = _positive(body.top_n, "top_n")
+        scored = await score_documents(state, request, engine, query, texts, raw=body.raw_scores,
+                                       max_doc_tokens=_positive(body.max_tokens_per_doc, "max_tokens_per_doc"),
+                                       scoring=body.scoring, weights=body.weights)
+        if scored is None:
+            return Response(status_code=499)
+        return _rerank_body(scored, _ranked(scored.scores, top_n), body.documents, body.return_documents, "1")
+
+    @router.post("/v1/rerank", **route_doc(RerankRequest, 404, ok=RerankResponse))
+    async def rerank(request: Request):
+        """Jina's and Cohere v1's rerank."""
+        return await rerank_v1(request, await parse_body(request, RerankRequest))
+
+    @router.post("/rerank", **route_doc(RerankRequest, 404, ok=RerankResponse))
+    async def rerank_any(request: Request):
+        """Jina's / Cohere v1's shape; with `texts`, text-embeddings-inference's (TEIRerankRequest ->
+        TEIRerankResponse, a list)."""
+        body = await parse_body(request, _Shape)
+        if "texts" in body.root:
+            return await rerank_tei(request, await parse_body(request, TEIRerankRequest))
+        return await rerank_v1(request, await parse_body(request, RerankRequest))
+
+    async def rerank_tei(request: Request, body: TEIRerankRequest):
+        engine = state.require_reranker(body.model)
+        query = check_query(body.query)
+        if len(body.texts) > max_docs:
+            raise ValidationError(f"`texts` has {len(body.texts)} items; the limit (--max-client-batch-size) is "
+                                  f"{max_docs}; split the request", param="texts", code="too_many_inputs")
+        texts = [_text(t, f"text {i}", "texts") for i, t in enumerate(body.texts)]
+        scored = await score_documents(state, request, engine, query, texts, raw=body.raw_scores,
+                                       truncate=body.truncate, param="texts")
+        if scored is None:
+            return Response(status_code=499)
+        out = []
+        for i in _ranked(scored.scores, None):
+            item: dict = {"index": i, "score": scored.scores[i]}
+            if body.return_text:
+                item["text"] = texts[i]
+            out.append(item)
+        return JSONResponse(out)
+
+    @router.post("/v2/rerank", **route_doc(RerankRequestV2, 404, ok=RerankResponse))
+    async def rerank_v2(request: Request):
+        """Cohere v2's rerank."""
+        body = await parse_body(request, RerankRequestV2)
+        engine = state.require_reranker(body.model)
+        query = check_query(body.query)
+        if body.relevant_spans is not None:
+            raise UnsupportedError("`relevant_spans` is not supported; omit it", param="relevant_spans")
+        texts = document_texts(body.documents, None, max_docs)
+        top_n = _positive(body.top_n, "top_n")
+        scored = await score_documents(state, request, engine, query, texts, raw=body.raw_scores,
+                                       max_doc_tokens=_positive(body.max_tokens_per_doc, "max_tokens_per_doc"),
+                                       scoring=body.scoring, weights=body.weights)
+        if scored is None:
+            return Response(status_code=499)
+        return _rerank_body(scored, _ranked(scored.scores, top_n), body.documents, body.return_documents, "2")
+
+    async def score(request: Request):
+        body = await parse_body(request, ScoreRequest)
+        engine = state.require_reranker(body.model)
+        firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+        seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+        if not firsts or not seconds:
+            raise ValidationError("`text_1` and `text_2` need at least one text each", param="text_1" if not firsts
+                                  else "text_2")
+        if len(firsts) != 1 and len(firsts) != len(seconds):
+            raise ValidationError(f"`text_1` has {len(firsts)} texts and `text_2` {len(seconds)}: send one `text_1` "
+                                  "to score against every `text_2`, or two lists of the same length (pairwise)",
+                                  param="text_1")
+        seconds = document_texts(seconds, None, max_docs, "text_2")
+        firsts = [check_query(t, "text_1") for t in firsts]
+        groups: dict[str, list[int]] = {}
+        for i in range(len(seconds)):
+            groups.setdefault(firsts[0] if len(firsts) == 1 else firsts[i], []).append(i)
+        scores = [0.0] * len(seconds)
+        total = Scored(state.name_of(engine), scores)
+        for q, idx in groups.items():
+            part = await score_documents(state, request, engine, q, [seconds[i] for i in idx], raw=body.raw_scores,
+                                         max_doc_tokens=_positive(body.truncate_prompt_tokens,
+                                                                  "truncate_prompt_tokens"), param="text_2")
+            if part is None:
+                return Response(status_code=499)
+            for k, i in enumerate(idx):
+                scores[i] = part.scores[k]
+            total.tokens += part.tokens
+            total.truncated += [idx[k] for k in part.truncated]
+            total.cut_tokens += part.cut_tokens
+        total.truncated.sort()
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": total.model, "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                "usage": total.usage()}
+
+    doc = route_doc(ScoreRequest, 404, ok=ScoreResponse)
+    router.post("/v1/score", **doc)(score)
+    router.post("/score", **doc)(score)
+    # the OpenAPI document names TEI's shape too (the route reads the body itself)
+    route_doc(TEIRerankRequest, ok=TEIRerankResponse)
+    return router
+
+
+class _Shape(RootModel[dict]):
+    """Any JSON object: `/rerank` looks at its keys to tell TEI's shape from Jina's / Cohere's."""
