@@ -25,7 +25,8 @@ from kernels.compute import ComputePaths, env_bool
 
 from .errors import ConfigError
 
-DEFAULT_MODEL = "multilingual-e5-small"
+DEFAULT_MODEL = "multilingual-e5-small"            # the default embedder (and the index CLI's model)
+DEFAULT_RERANKER = "ms-marco-MiniLM-L-12-v2"        # served beside it when no --model is given
 DEFAULT_GENERATE_MODEL = "SmolLM2-135M-Instruct"
 DTYPES = ("auto", "float32", "bfloat16", "int8")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "float": "float32"}
@@ -171,7 +172,10 @@ class ComputeConfig(Section):
 class EmbedConfig(Section):
     """The embedding models and the token-budget batcher that feeds them."""
 
-    model: str = opt(DEFAULT_MODEL, "bundled embedding model name or local HF directory (comma-separated: several)")
+    model: str = opt(f"{DEFAULT_MODEL},{DEFAULT_RERANKER}",
+                     "embedding or reranking models: bundled names or local HF directories (a "
+                     "*ForSequenceClassification checkpoint serves as a reranker); the first embedder is the "
+                     "default for embeddings, the first reranker for reranking")
     max_batch_tokens: int | None = opt(None, "token budget of one model batch (default 4096 on a CPU, where larger "
                                              "batches fall out of cache, 16384 on a GPU)", lo=1, hi=1 << 22)
     max_batch_size: int = opt(256, "most inputs in one model batch", lo=1, hi=1 << 16)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import anyio
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 from starlette.concurrency import run_in_threadpool
 
 from index import ops
@@ -24,7 +24,7 @@ from index.core import validate_documents
 from index.docstore import Document
 from index.embedder import DocumentVectors, document_types, query_types
 from index.manifest import DenseConfig
-from index.search import DEFAULT_WEIGHTS, Query
+from index.search import DEFAULT_WEIGHTS, MAX_TOP_K, Query
 from index.store import NAME_PATTERN, check_name
 
 from ..embedders import ModelEmbedder, token_batches
@@ -32,10 +32,12 @@ from ..errors import ValidationError
 from index.errors import ConflictError
 from .openapi import route_doc
 from .common import embed_via_engine, parse_body
+from .rerank import score_documents
 from .state import AppState
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_CANDIDATES = 30       # hits a search retrieves for reranking unless told
 _BOUND = " and its indexes are bound to it"      # said when a request names a model not served
 
 # what `check_name` accepts, for the document (the route checks it, with its own message)
@@ -88,6 +90,18 @@ class Weights(BaseModel):
     sparse: StrictFloat | StrictInt = 0.2
 
 
+class SearchRerank(BaseModel):
+    """Rerank the retrieved candidates: retrieve `candidates` hits, score each against the query
+    with `model` (a cross-encoder, or a BGE-M3 embedder), return the best `top_k`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(default=None, description="the reranking model (default: the first served reranker)")
+    candidates: StrictInt | None = Field(default=None, description="hits retrieved for reranking (default: "
+                                         f"max(top_k, {DEFAULT_CANDIDATES}))")
+    raw_scores: StrictBool = False
+
+
 class SearchRequest(BaseModel):
     """POST /v1/search."""
 
@@ -101,6 +115,7 @@ class SearchRequest(BaseModel):
     fusion: Literal["weighted", "rrf"] | None = None
     weights: Weights | None = None
     filter: dict[str, Any] | None = None
+    rerank: SearchRerank | None = None
 
 
 class Counts(BaseModel):
@@ -194,7 +209,8 @@ class SearchHit(BaseModel):
     score: float
     text: str
     metadata: dict[str, Any]
-    scores: dict[str, float] = Field(description="per side (dense, sparse) where computed")
+    scores: dict[str, float] = Field(description="per side (dense, sparse) where computed; with `rerank`, also "
+                                     "`retrieval` (the score it was retrieved with) and `rerank` (= `score`)")
 
 
 class SearchResponse(BaseModel):
@@ -206,6 +222,7 @@ class SearchResponse(BaseModel):
     model: str
     mode: Literal["dense", "sparse", "hybrid"]
     data: list[SearchHit]
+    rerank_model: str | None = Field(default=None, description="the model that reranked the hits (with `rerank`)")
 
 
 def _embedder(engine) -> ModelEmbedder:
@@ -357,6 +374,15 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         requested = state.require_embedder(body.model, _BOUND)
         if not body.query.strip():
             raise ValidationError("`query` is blank; send the text to search for", param="query")
+        reranker, top_k = None, body.top_k
+        if body.rerank is not None:
+            reranker = state.require_reranker(body.rerank.model)
+            top_k = body.rerank.candidates if body.rerank.candidates is not None else max(body.top_k, DEFAULT_CANDIDATES)
+            if not 1 <= body.top_k <= MAX_TOP_K:
+                raise ValidationError(f"top_k must be an integer in [1, {MAX_TOP_K}], not {body.top_k}", param="top_k")
+            if not body.top_k <= top_k <= MAX_TOP_K:
+                raise ValidationError(f"rerank.candidates is {top_k}: give a number from top_k ({body.top_k}) to "
+                                      f"{MAX_TOP_K}", param="rerank.candidates")
         # the index version and the model that built it, taken together: a swap of `CURRENT`
         # during this request changes neither (this request finishes on the pair it took, leased)
         async with _leased(indexes, name) as ix:
@@ -368,11 +394,22 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
             if vectors is None:
                 return Response(status_code=499)
             weights = (body.weights.dense, body.weights.sparse) if body.weights else DEFAULT_WEIGHTS
-            query = Query(dense=vectors[0], sparse=vectors[1], top_k=body.top_k, mode=body.mode, fusion=body.fusion,
+            query = Query(dense=vectors[0], sparse=vectors[1], top_k=top_k, mode=body.mode, fusion=body.fusion,
                           weights=weights, filter=body.filter)
-            hits = await run_in_threadpool(ix.search, query, ident)
-        return {"object": "list", "index": name, "version": ix.version, "model": state.name_of(engine),
-                "mode": body.mode, "data": [h.to_dict() for h in hits]}
+            hits = [h.to_dict() for h in await run_in_threadpool(ix.search, query, ident)]
+        out = {"object": "list", "index": name, "version": ix.version, "model": state.name_of(engine),
+               "mode": body.mode, "data": hits}
+        if reranker is not None:          # outside the lease: the hits hold their text
+            scored = await score_documents(state, request, reranker, body.query, [h["text"] for h in hits],
+                                           raw=body.rerank.raw_scores, param="rerank")
+            if scored is None:
+                return Response(status_code=499)
+            for h, s in zip(hits, scored.scores):
+                h["scores"] = {**h["scores"], "retrieval": h["score"], "rerank": s}
+                h["score"] = s
+            out["data"] = sorted(hits, key=lambda h: -h["score"])[:body.top_k]
+            out["rerank_model"] = scored.model
+        return out
 
 
 def _index_object(info: dict) -> dict:

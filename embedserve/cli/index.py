@@ -132,6 +132,8 @@ def _model_for(args, store):
         return _load_embedder(model, args.dtype)
     except FileNotFoundError as exc:
         raise ValidationError(f"{exc}; pass --model with the model this index was built with") from None
+    except ValueError as exc:               # a reranker named as the index's model
+        raise ValidationError(f"--model {model}: {exc}") from None
 
 
 def _print(obj) -> None:

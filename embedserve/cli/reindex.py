@@ -37,7 +37,11 @@ def register(subparsers) -> None:
 
 def _embedder(model: str, dtype: str):
     from ..embedders import load_embedder
-    return load_embedder(model, dtype)
+    from ..errors import ValidationError
+    try:
+        return load_embedder(model, dtype)
+    except ValueError as exc:               # e.g. a reranker named as the new model
+        raise ValidationError(f"--to-model {model}: {exc}") from None
 
 
 def cmd_reindex(args) -> int:

@@ -205,10 +205,40 @@ def sse_events(lines):
         yield json.loads(data)
 
 
-def search_body(index: str, query: str, top_k: int, mode: str, filters: dict | None, fusion: str | None) -> dict:
+def search_body(index: str, query: str, top_k: int, mode: str, filters: dict | None, fusion: str | None,
+                rerank: bool | str | dict | None = None) -> dict:
+    """/v1/search's body; `rerank`: True (the server's default reranker), a model name, or the
+    whole `{"model", "candidates"}` object."""
     body = {"index": index, "query": query, "top_k": top_k, "mode": mode}
     if filters:
         body["filter"] = filters
     if fusion:
         body["fusion"] = fusion
+    if rerank:
+        body["rerank"] = {} if rerank is True else {"model": rerank} if isinstance(rerank, str) else dict(rerank)
     return body
+
+
+def rerank_body(query: str, documents: list, model: str | None, raw_scores: bool, extra: dict) -> dict:
+    body = {"query": query, "documents": documents, "return_documents": False, **extra}
+    if model:
+        body["model"] = model
+    if raw_scores:
+        body["raw_scores"] = True
+    return body
+
+
+def merge_rerank(parts: list[tuple[int, dict]], documents: list, top_n: int | None,
+                 return_documents: bool) -> list[dict]:
+    """The results of requests that each scored a slice of `documents` (from `offset`), as one
+    ranking over them all: `{index, relevance_score, document?}`, best first."""
+    results = []
+    for offset, body in parts:
+        for r in body["results"]:
+            item = {"index": offset + r["index"], "relevance_score": r["relevance_score"]}
+            if return_documents:
+                d = documents[item["index"]]
+                item["document"] = {"text": d} if isinstance(d, str) else d
+            results.append(item)
+    results.sort(key=lambda r: (-r["relevance_score"], r["index"]))
+    return results[:top_n] if top_n else results

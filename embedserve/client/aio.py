@@ -80,6 +80,21 @@ class AsyncClient:
         parts = await asyncio.gather(*(send(r) for r in ranges))
         return _core.parse_embeddings(list(parts), len(texts))
 
+    async def rerank(self, query: str, documents: list, *, model: str | None = None, top_n: int | None = None,
+                     return_documents: bool = False, raw_scores: bool = False, **extra) -> list[dict]:
+        """`Client.rerank`, awaited (the slices sent concurrently)."""
+        documents = list(documents)
+        ranges = _core.split(documents, await self.limits(), size_of=_core.json_size)
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def send(rng):
+            async with gate:
+                body = _core.rerank_body(query, documents[rng[0]:rng[1]], model, raw_scores, extra)
+                return rng[0], await self.request("POST", "/v1/rerank", body)
+
+        parts = await asyncio.gather(*(send(r) for r in ranges))
+        return _core.merge_rerank(list(parts), documents, top_n, return_documents)
+
     def index(self, name: str) -> "AsyncIndex":
         return AsyncIndex(self, name)
 
@@ -125,6 +140,6 @@ class AsyncIndex:
         return await self.client.request("DELETE", f"/v1/indexes/{self.name}/documents", {"ids": list(ids)})
 
     async def search(self, query: str, *, top_k: int = 10, mode: str = "dense", filters: dict | None = None,
-                     fusion: str | None = None) -> list[dict]:
-        body = _core.search_body(self.name, query, top_k, mode, filters, fusion)
+                     fusion: str | None = None, rerank: bool | str | dict | None = None) -> list[dict]:
+        body = _core.search_body(self.name, query, top_k, mode, filters, fusion, rerank)
         return (await self.client.request("POST", "/v1/search", body))["data"]

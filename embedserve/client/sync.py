@@ -91,6 +91,25 @@ class Client:
                 parts = list(pool.map(send, ranges))
         return _core.parse_embeddings(parts, len(texts))
 
+    def rerank(self, query: str, documents: list, *, model: str | None = None, top_n: int | None = None,
+               return_documents: bool = False, raw_scores: bool = False, **extra) -> list[dict]:
+        """`documents` (strings or `{"text": ...}` objects) ranked against `query`, best first:
+        `[{index, relevance_score, document?}]`. Split into several requests under the server's
+        limits (each pair scores on its own, so the split changes no score) and merged."""
+        documents = list(documents)
+        ranges = _core.split(documents, self.limits(), size_of=_core.json_size)
+
+        def send(rng):
+            body = _core.rerank_body(query, documents[rng[0]:rng[1]], model, raw_scores, extra)
+            return rng[0], self.request("POST", "/v1/rerank", body)
+
+        if len(ranges) == 1:
+            parts = [send(ranges[0])]
+        else:
+            with ThreadPoolExecutor(min(self.max_concurrency, len(ranges))) as pool:
+                parts = list(pool.map(send, ranges))
+        return _core.merge_rerank(parts, documents, top_n, return_documents)
+
     def index(self, name: str) -> "Index":
         return Index(self, name)
 
@@ -149,6 +168,8 @@ class Index:
         return self.client.request("DELETE", f"/v1/indexes/{self.name}")
 
     def search(self, query: str, *, top_k: int = 10, mode: str = "dense", filters: dict | None = None,
-               fusion: str | None = None) -> list[dict]:
-        body = _core.search_body(self.name, query, top_k, mode, filters, fusion)
+               fusion: str | None = None, rerank: bool | str | dict | None = None) -> list[dict]:
+        """The best `top_k` hits; `rerank` (True, a model name, or `{"model", "candidates"}`)
+        retrieves more candidates and reranks them on the server."""
+        body = _core.search_body(self.name, query, top_k, mode, filters, fusion, rerank)
         return self.client.request("POST", "/v1/search", body)["data"]

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .embedding_model import EmbeddingModel
+from .embedding_model import EmbeddingModel, is_cross_encoder
 from .encoder import load_weights
 
 logger = logging.getLogger(__name__)
@@ -34,15 +34,6 @@ _HEADS = {  # (dense, output) weight names after the encoder prefix is cut, per 
     "xlm-roberta": ("classifier.dense", "classifier.out_proj"),
     "roberta": ("classifier.dense", "classifier.out_proj"),
 }
-
-
-def is_cross_encoder(path: Path) -> bool:
-    """A `*ForSequenceClassification` checkpoint (config.json's `architectures`)."""
-    try:
-        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        return False
-    return any(str(a).endswith("ForSequenceClassification") for a in archs)
 
 
 class QueryTooLong(ValueError):

@@ -109,6 +109,15 @@ def read_conventions(path: Path) -> dict:
     return conv
 
 
+def is_cross_encoder(path: Path) -> bool:
+    """A `*ForSequenceClassification` checkpoint (config.json's `architectures`): a reranker."""
+    try:
+        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    return any(str(a).endswith("ForSequenceClassification") for a in archs)
+
+
 def fingerprint_dir(path: Path) -> str:
     """sha256 over the weights, heads and tokenizer: two models share it only if identical.
     Hashed once per process while the files are unchanged (the memory plan and the loaded
@@ -147,6 +156,9 @@ class EmbeddingModel:
         self.path = Path(path)
         if not (self.path / "config.json").exists():
             raise FileNotFoundError(f"{self.path} is not a Hugging Face model directory (no config.json)")
+        if self.task == "embed" and is_cross_encoder(self.path):
+            raise ValueError(f"{self.path.name} is a reranker (a sequence-classification cross-encoder): it scores "
+                             "query-document pairs and gives no embeddings; use an embedding model here")
         self.device = torch.device(device)
         self.cfg = EncoderConfig.from_dir(self.path)
         conv = self._conventions()
