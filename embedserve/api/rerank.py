@@ -21,7 +21,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictBool, StrictFloat, StrictInt
@@ -30,13 +29,11 @@ from starlette.concurrency import run_in_threadpool
 from ..embedders import token_batches
 from ..errors import UnsupportedError, ValidationError
 from ..models.cross_encoder import DocumentTooLong, QueryTooLong
-from ..models.scoring import colbert_score, lexical_score
+from ..models.scoring import M3_DEFAULT_WEIGHTS, M3_METHODS, m3_score
 from .common import embed_via_engine, parse_body
 from .openapi import route_doc
-from .state import M3_METHODS, AppState, rerank_methods
+from .state import AppState, rerank_methods
 
-# FlagEmbedding's BGEM3FlagModel.compute_score: weights [dense, sparse, colbert], default all 1
-M3_DEFAULT_WEIGHTS = (1.0, 1.0, 1.0)
 M3_DEFAULT_METHOD = "colbert+sparse+dense"
 _DOCS_SCHEMA = {"type": "array", "minItems": 1, "items": {"anyOf": [
     {"type": "string"}, {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}]}}
@@ -299,23 +296,7 @@ async def _score_m3(state, request, engine, name, query, texts, scoring, weights
     outputs = await _through_batcher(state, request, engine, ids, set(parts))
     if outputs is None:
         return None
-    q = outputs[0]
-    scores = []
-    wd, ws, wc = w
-    for d in outputs[1:]:
-        s = {}
-        if "dense" in parts:
-            s["dense"] = float(np.dot(q.dense.astype(np.float64), d.dense))
-        if "sparse" in parts:
-            s["sparse"] = lexical_score(q.sparse, d.sparse)
-        if "colbert" in parts:
-            s["colbert"] = colbert_score(q.colbert, d.colbert)
-        if len(parts) == 1:
-            scores.append(s[parts[0]])
-        else:
-            pw = {"dense": wd, "sparse": ws, "colbert": wc}
-            total = sum(pw[p] for p in parts)
-            scores.append(sum(s[p] * pw[p] for p in parts) / total)
+    scores = [m3_score(outputs[0], d, method, w) for d in outputs[1:]]
     return Scored(name, scores, sum(map(len, ids)), truncated, cut)
 
 

@@ -14,6 +14,7 @@ from ..engine.embed_engine import EmbedEngine
 from ..engine.generator import Generator
 from ..errors import NotFoundError, UnavailableError, UnsupportedError
 from ..metrics import Metrics
+from ..models.scoring import M3_METHODS
 from ..paths import index_root
 from .auth import KeyRing
 
@@ -32,8 +33,6 @@ def rerank_methods(engine: EmbedEngine) -> list[str]:
     heads = engine.embedding_types
     return [m for m in M3_METHODS if all(part in heads for part in m.split("+"))]
 
-
-M3_METHODS = ("colbert", "dense", "sparse", "sparse+dense", "colbert+sparse+dense")
 
 
 @dataclass
