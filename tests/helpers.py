@@ -21,6 +21,10 @@ import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BGE_M3_DIR = FIXTURES / "tiny-bge-m3"
+# tiny random cross-encoders (tests/fixtures/make_cross_encoder_fixtures.py)
+BERT_RERANKER_DIR = FIXTURES / "tiny-bert-reranker"
+XLMR_RERANKER_DIR = FIXTURES / "tiny-xlmr-reranker"
+BERT_3LABEL_DIR = FIXTURES / "tiny-bert-3label"
 ROOT = Path(__file__).resolve().parents[1]
 
 TEXTS_EN_ZH_FR = [
