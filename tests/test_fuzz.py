@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
-from helpers import free_port, make_decode_engine
+from helpers import BERT_RERANKER_DIR, free_port, make_decode_engine
 from embedserve.config import ServerConfig
 from embedserve.engine.generator import Generator
 from embedserve.serve import build_app
@@ -24,13 +24,16 @@ from embedserve.serve import build_app
 
 @pytest.fixture(scope="module")
 def fuzz_server(smollm2, minilm_model, tmp_path_factory):
-    """The app on a real uvicorn server in a thread (one lifespan for the whole module)."""
+    """The app on a real uvicorn server in a thread (one lifespan for the whole module): MiniLM,
+    the tiny BERT cross-encoder (the rerank routes' default), SmolLM2."""
+    from embedserve.models.cross_encoder import CrossEncoderModel
+    reranker = CrossEncoderModel(BERT_RERANKER_DIR, name="tiny-bert-reranker", dtype="float32")
     eng = make_decode_engine(smollm2, num_blocks=64, max_model_len=48, max_num_seqs=8)   # short answers
     gen = Generator(name="SmolLM2-135M-Instruct", engine=eng, tokenizer=smollm2[1])
     cfg = ServerConfig.of(model="all-MiniLM-L6-v2", index_dir=str(tmp_path_factory.mktemp("fuzz-indexes")),
                        max_client_batch_size=64)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(cfg, model=minilm_model, generator=gen), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(build_app(cfg, model=[minilm_model, reranker], generator=gen), host="127.0.0.1",
                                            port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

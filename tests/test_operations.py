@@ -162,7 +162,7 @@ def test_tiny_bge_m3_serves_dense_sparse_and_colbert_equal_to_flagembedding(tiny
 
 def test_environment_fallbacks_and_no_decoder(tiny):
     models = httpx.get(tiny + "/v1/models").json()["data"]
-    assert [m.get("task") for m in models] == [None]                  # EMBEDSERVE_GENERATE_MODEL=none
+    assert [m.get("task") for m in models] == ["embed"]               # EMBEDSERVE_GENERATE_MODEL=none
     assert models[0]["limits"]["max_client_batch_size"] == 16 and models[0]["limits"]["max_queued_tokens"] == 512
     r = httpx.post(tiny + "/v1/embeddings", json={"input": ["a"] * 17})
     assert r.status_code in (400, 413) and "16" in r.json()["error"]["message"], r.text

@@ -141,6 +141,14 @@ class TEIRerankResponse(RootModel[list[TEIRank]]):
     """200 of POST /rerank with `texts`: TEI's list, best first."""
 
 
+class AnyRerankRequest(RootModel[RerankRequest | TEIRerankRequest]):
+    """POST /rerank: Jina's / Cohere v1's shape, or TEI's (a body with `texts`)."""
+
+
+class AnyRerankResponse(RootModel[RerankResponse | TEIRerankResponse]):
+    """200 of POST /rerank: Cohere's object, or TEI's list for a body with `texts`."""
+
+
 class ScoreData(BaseModel):
     index: int
     object: Literal["score"]
@@ -345,7 +353,7 @@ def build_router(state: AppState) -> APIRouter:
         """Jina's and Cohere v1's rerank."""
         return await rerank_v1(request, await parse_body(request, RerankRequest))
 
-    @router.post("/rerank", **route_doc(RerankRequest, 404, ok=RerankResponse))
+    @router.post("/rerank", **route_doc(AnyRerankRequest, 404, ok=AnyRerankResponse))
     async def rerank_any(request: Request):
         """Jina's / Cohere v1's shape; with `texts`, text-embeddings-inference's (TEIRerankRequest ->
         TEIRerankResponse, a list)."""
@@ -428,8 +436,6 @@ def build_router(state: AppState) -> APIRouter:
     doc = route_doc(ScoreRequest, 404, ok=ScoreResponse)
     router.post("/v1/score", **doc)(score)
     router.post("/score", **doc)(score)
-    # the OpenAPI document names TEI's shape too (the route reads the body itself)
-    route_doc(TEIRerankRequest, ok=TEIRerankResponse)
     return router
 
 
