@@ -69,6 +69,7 @@ def prepare(cfg: ServerConfig) -> tuple[list[str], list, tuple | None]:
     from index.dense import set_search_threads
     from kernels import compute
     from ..memory_plan import embed_memory_plan
+    from ..models.embedding_model import is_cross_encoder
     from ..models.registry import resolve_model
 
     if cfg.http.api_key_file:
@@ -83,7 +84,8 @@ def prepare(cfg: ServerConfig) -> tuple[list[str], list, tuple | None]:
         plan = embed_memory_plan(path, cfg)
         embed_bytes += plan.total
         resolved.append((name, path))
-        lines += [f"model {name} ({path})", *plan.lines()]
+        kind = "reranker" if is_cross_encoder(path) else "embedder"
+        lines += [f"model {name} ({kind}, {path})", *plan.lines()]
     decoder = None
     if cfg.decode.enabled:
         from ..serve import plan_generator
