@@ -1,5 +1,6 @@
-"""Retrieval-augmented answer: search an index, then ask the generation model to answer from
-the retrieved passages and cite their ids.
+"""Retrieval-augmented answer, every stage on one server: retrieve candidates from an index
+(hybrid search with the embedding model), rerank them with the cross-encoder, then ask the
+generation model to answer from the best passages and cite their ids.
 
     python examples/rag_answer.py "Which river flows through Vienna?"
 """
@@ -20,13 +21,14 @@ with Client() as client:
     kb = client.index("rag-demo")
     kb.create(exist_ok=True)
     kb.upsert(PASSAGES)
-    hits = kb.search(question, top_k=2, mode="hybrid")
+    # 4 candidates retrieved, reranked by the server's default reranker, the best 2 kept
+    hits = kb.search(question, top_k=2, mode="hybrid", rerank={"candidates": 4})
     context = "\n".join(f"[{h['id']}] {h['text']}" for h in hits)
     messages = [
         {"role": "system", "content": "Answer only from the passages. Cite the passage id in brackets."},
         {"role": "user", "content": f"Passages:\n{context}\n\nQuestion: {question}"},
     ]
-    print("retrieved:", [h["id"] for h in hits])
+    print("retrieved and reranked:", [(h["id"], round(h["scores"]["rerank"], 3)) for h in hits])
     print("answer: ", end="", flush=True)
     for text in client.chat_stream(messages, max_tokens=60, temperature=0):
         print(text, end="", flush=True)
