@@ -21,7 +21,7 @@ from .. import __version__
 from index.errors import DescribedError
 
 from ..errors import MethodNotAllowedError, NotFoundError, ValidationError
-from . import embeddings, generation, indexes, openapi, rerank, system
+from . import embeddings, generation, indexes, openapi, rerank, system, tokenize
 from .errors import error_response, status_for, validation_error
 from .drain import DrainMiddleware
 from .middleware import GuardMiddleware
@@ -53,7 +53,7 @@ def create_app(state: AppState, start: Callable[[AppState], None] | None = None)
                            allow_headers=["*"], expose_headers=["Retry-After"])
     app.add_middleware(DrainMiddleware, state=state)       # added last: outermost
     _add_error_handlers(app, state)
-    for module in (system, embeddings, rerank, generation, indexes):
+    for module in (system, embeddings, rerank, tokenize, generation, indexes):
         app.include_router(module.build_router(state))
     _describe_bodies(app)
     return app

@@ -44,6 +44,8 @@ class EmbeddingRequest(BaseModel):
     embedding_types: list[Literal["dense", "sparse", "colbert"]] | None = Field(default=None, min_length=1)
     input_type: Literal["query", "passage"] | None = None
     truncate: StrictBool = False
+    truncation_direction: Literal["right", "left", "Right", "Left"] = Field(
+        default="right", description="with truncate: keep the first tokens (right, the default) or the last (left)")
 
 
 class SparseEmbedding(BaseModel):
@@ -67,6 +69,7 @@ class EmbeddingUsage(BaseModel):
     prompt_tokens: int
     total_tokens: int
     truncated_inputs: list[int] | None = Field(default=None, description="inputs cut with truncate=true")
+    truncated_tokens: int | None = Field(default=None, description="tokens cut from them in all")
 
 
 class EmbeddingResponse(BaseModel):
@@ -134,19 +137,20 @@ def build_router(state: AppState) -> APIRouter:
         want = _check_types(name, engine, body)
         inputs = await _token_inputs(state, engine, body)
         limit = engine.max_input_length
-        truncated = []
+        truncated, cut = [], 0
         for i, ids in enumerate(inputs):
             if len(ids) > limit:
                 if not body.truncate:
                     raise ValidationError(f"input {i} has {len(ids):,} tokens; the limit is {limit:,}; send "
                                           "shorter input or set truncate=true", param="input",
                                           code="context_length_exceeded")
-                inputs[i] = engine.truncate(ids, limit)
+                inputs[i] = engine.truncate(ids, limit, body.truncation_direction.lower())
                 truncated.append(i)
+                cut += len(ids) - len(inputs[i])
         req = await embed_via_engine(state, inputs, want, request, engine)
         if req is None:
             return Response(status_code=499)
-        payload = await run_in_threadpool(render_embeddings, req, body, name, truncated)
+        payload = await run_in_threadpool(render_embeddings, req, body, name, truncated, cut)
         return Response(payload, media_type="application/json")
 
     return router
@@ -184,7 +188,8 @@ async def _token_inputs(state: AppState, engine, body: EmbeddingRequest) -> list
     return [engine.wrap_token_ids(ids) for ids in id_lists]
 
 
-def render_embeddings(req: EmbedRequest, body: EmbeddingRequest, name: str, truncated: list[int]) -> bytes:
+def render_embeddings(req: EmbedRequest, body: EmbeddingRequest, name: str, truncated: list[int],
+                      cut: int = 0) -> bytes:
     """The response body. orjson writes the numpy arrays directly (float32 values in their
     shortest round-trip form), ~10x faster than `tolist()` + `json.dumps` for float vectors."""
     data = []
@@ -203,6 +208,6 @@ def render_embeddings(req: EmbedRequest, body: EmbeddingRequest, name: str, trun
         data.append(item)
     usage = {"prompt_tokens": req.num_tokens, "total_tokens": req.num_tokens}
     if truncated:
-        usage["truncated_inputs"] = truncated
+        usage["truncated_inputs"], usage["truncated_tokens"] = truncated, cut
     return orjson.dumps({"object": "list", "data": data, "model": name, "usage": usage},
                         option=orjson.OPT_SERIALIZE_NUMPY)

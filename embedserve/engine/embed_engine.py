@@ -89,8 +89,8 @@ class EmbedEngine(EngineThread):
     def wrap_token_ids(self, ids: list[int]) -> list[int]:
         return self.model.wrap_token_ids(ids)
 
-    def truncate(self, ids: list[int], limit: int | None = None) -> list[int]:
-        return self.model.truncate(ids, limit or self.max_input_length)
+    def truncate(self, ids: list[int], limit: int | None = None, direction: str = "right") -> list[int]:
+        return self.model.truncate(ids, limit or self.max_input_length, direction)
 
     # ------------------------------------------------------------ interface
     def submit(self, request: EmbedRequest) -> None:

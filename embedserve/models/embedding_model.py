@@ -291,11 +291,16 @@ class EmbeddingModel:
         """Client-supplied content token ids get the model's specials, like text does."""
         return self.bos_ids + list(ids) + self.eos_ids
 
-    def truncate(self, ids: list[int], limit: int | None = None) -> list[int]:
-        """Cut to `limit` tokens (default: the model's), keeping the closing special token."""
+    def truncate(self, ids: list[int], limit: int | None = None, direction: str = "right") -> list[int]:
+        """Cut to `limit` tokens (default: the model's), keeping the special tokens around the
+        content; `right` keeps the first content tokens, `left` the last."""
         limit = limit or self.max_input_length
         if len(ids) <= limit:
             return ids
+        if direction == "left":
+            keep = limit - len(self.bos_ids) - len(self.eos_ids)
+            end = len(ids) - len(self.eos_ids)
+            return self.bos_ids + ids[end - keep:end] + self.eos_ids
         return ids[: limit - len(self.eos_ids)] + self.eos_ids
 
     # --------------------------------------------------------------- embedding
