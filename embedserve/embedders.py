@@ -39,6 +39,12 @@ class ModelEmbedder:
     """`index.Embedder` over an embedding model (documents in length-sorted token batches)."""
 
     def __init__(self, model, *, max_input_length: int | None = None, batch_tokens: int = 4096):
+        if getattr(model.spec, "task", "embed") != "embed":
+            raise ValueError(f"{model.spec.name} is a reranker: it scores query-document pairs and gives no vectors "
+                             "for an index")
+        if not getattr(model.spec, "has_dense", True):
+            raise ValueError(f"{model.spec.name} gives sparse vectors only (SPLADE); an index needs a model with "
+                             "a dense output")
         self.model = model
         self.limit = max_input_length or model.max_input_length
         self.batch_tokens = batch_tokens
@@ -111,7 +117,7 @@ def load_embedder(model: str, dtype: str = "auto", *, threads: int | None = None
     if threads:
         import torch
         torch.set_num_threads(threads)
-    from .models.embedding_model import EmbeddingModel
+    from .models.cross_encoder import load_model
     from .models.registry import resolve_model
     name, path = resolve_model(model)
-    return ModelEmbedder(EmbeddingModel(path, name=name, dtype=dtype))
+    return ModelEmbedder(load_model(path, name=name, dtype=dtype))

@@ -162,12 +162,15 @@ def _check_types(name: str, engine, body: EmbeddingRequest) -> set[str]:
     if body.dimensions is not None and body.dimensions != spec.dim:
         raise UnsupportedError(f"model {name!r} has {spec.dim} dimensions and was not "
                                "trained to be shortened (Matryoshka); omit `dimensions`", param="dimensions")
-    want = set(body.embedding_types or ["dense"])
+    # default: dense, or everything a model without a dense output has (a SPLADE model: sparse)
+    want = set(body.embedding_types or (["dense"] if "dense" in engine.embedding_types else engine.embedding_types))
     missing = sorted(want - engine.embedding_types)
     if missing:
-        raise UnsupportedError(f"model {name!r} has no {' or '.join(missing)} head "
-                               "(a BGE-M3 directory with sparse_linear.pt / colbert_linear.pt has); "
-                               "request embedding_types=['dense']", param="embedding_types")
+        has = sorted(engine.embedding_types)
+        raise UnsupportedError(f"model {name!r} has no {' or '.join(missing)} head (a BGE-M3 directory with "
+                               "sparse_linear.pt / colbert_linear.pt has sparse and ColBERT heads, a SPLADE model "
+                               f"only sparse); this one gives {has}: request embedding_types={has}",
+                               param="embedding_types")
     return want
 
 

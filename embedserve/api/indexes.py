@@ -28,7 +28,7 @@ from index.search import DEFAULT_WEIGHTS, MAX_TOP_K, Query
 from index.store import NAME_PATTERN, check_name
 
 from ..embedders import ModelEmbedder, token_batches
-from ..errors import ValidationError
+from ..errors import UnsupportedError, ValidationError
 from index.errors import ConflictError
 from .openapi import route_doc
 from .common import embed_via_engine, parse_body
@@ -292,7 +292,11 @@ def build_router(state: AppState) -> APIRouter:
     async def create_index(request: Request):
         body = await parse_body(request, CreateIndexRequest)
         name = check_name(body.name)
-        ident = state.identity(state.require_embedder(body.model, _BOUND))
+        engine = state.require_embedder(body.model, _BOUND)
+        if not engine.spec.has_dense:
+            raise UnsupportedError(f"model {state.name_of(engine)!r} gives sparse vectors only (SPLADE); an index "
+                                   "needs a model with a dense output", param="model")
+        ident = state.identity(engine)
         dense = DenseConfig(kind=body.dense, hnsw_m=body.hnsw_m, ef_construction=body.ef_construction,
                             ef_search=body.ef_search)
         info = await run_in_threadpool(indexes.create, name, ident, dense)

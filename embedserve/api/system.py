@@ -123,7 +123,7 @@ def build_router(state: AppState) -> APIRouter:
                    "fingerprint": spec.fingerprint, "limits": _limits(state, eng)}
             if eng.task == "embed":
                 row.update(dimensions=spec.dim, pooling=spec.pooling,
-                           embedding_types=["dense"] + sorted(eng.embedding_types - {"dense"}))
+                           embedding_types=sorted(eng.embedding_types, key=lambda t: (t != "dense", t)))
             methods = rerank_methods(eng)
             if methods:
                 row["rerank"] = methods

@@ -118,11 +118,8 @@ _store = store_from_args
 
 
 def _load_embedder(spec_name: str, dtype: str):
-    from ..embedders import ModelEmbedder
-    from ..models.embedding_model import EmbeddingModel
-    from ..models.registry import resolve_model
-    name, path = resolve_model(spec_name)
-    return ModelEmbedder(EmbeddingModel(path, name=name, dtype=dtype))
+    from ..embedders import load_embedder
+    return load_embedder(spec_name, dtype)
 
 
 def _model_for(args, store):

@@ -209,6 +209,9 @@ class CrossEncoderModel(EmbeddingModel):
 
 
 def load_model(path: Path, name: str | None = None, dtype: str = "auto", device: str = "cpu") -> EmbeddingModel:
-    """The model of directory `path`: a cross-encoder if its architecture says so, else an embedder."""
-    kind = CrossEncoderModel if is_cross_encoder(path) else EmbeddingModel
+    """The model of directory `path`, by its architecture: a cross-encoder (`*ForSequenceClassification`),
+    a SPLADE sparse encoder (`*ForMaskedLM`), else an embedder."""
+    from .embedding_model import is_splade
+    from .splade import SpladeModel
+    kind = CrossEncoderModel if is_cross_encoder(path) else SpladeModel if is_splade(path) else EmbeddingModel
     return kind(path, name=name, dtype=dtype, device=device)

@@ -62,6 +62,7 @@ class ModelSpec:
     dtype: str
     fingerprint: str
     task: str = "embed"     # "embed" | "rerank" (a cross-encoder: scores query-document pairs)
+    has_dense: bool = True  # False: a sparse-only encoder (SPLADE)
     num_labels: int = 0     # a cross-encoder's classifier outputs
 
     def to_dict(self) -> dict:
@@ -73,7 +74,8 @@ class ModelSpec:
         its classifier's logits, `score`)."""
         if self.task == "rerank":
             return {"score"}
-        return {"dense"} | ({"sparse"} if self.has_sparse else set()) | ({"colbert"} if self.has_colbert else set())
+        return (({"dense"} if self.has_dense else set()) | ({"sparse"} if self.has_sparse else set())
+                | ({"colbert"} if self.has_colbert else set()))
 
 
 @dataclass(slots=True)
@@ -109,13 +111,21 @@ def read_conventions(path: Path) -> dict:
     return conv
 
 
+def _architectures(path: Path) -> list[str]:
+    try:
+        return [str(a) for a in json.loads((Path(path) / "config.json").read_text()).get("architectures") or []]
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
 def is_cross_encoder(path: Path) -> bool:
     """A `*ForSequenceClassification` checkpoint (config.json's `architectures`): a reranker."""
-    try:
-        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        return False
-    return any(str(a).endswith("ForSequenceClassification") for a in archs)
+    return any(a.endswith("ForSequenceClassification") for a in _architectures(path))
+
+
+def is_splade(path: Path) -> bool:
+    """A `*ForMaskedLM` checkpoint: served as a SPLADE sparse encoder (`models.splade`)."""
+    return any(a.endswith("ForMaskedLM") for a in _architectures(path))
 
 
 def fingerprint_dir(path: Path) -> str:
@@ -159,6 +169,9 @@ class EmbeddingModel:
         if self.task == "embed" and is_cross_encoder(self.path):
             raise ValueError(f"{self.path.name} is a reranker (a sequence-classification cross-encoder): it scores "
                              "query-document pairs and gives no embeddings; use an embedding model here")
+        if type(self) is EmbeddingModel and is_splade(self.path):
+            raise ValueError(f"{self.path.name} is a masked-LM (SPLADE) checkpoint: load it with "
+                             "models.cross_encoder.load_model, which serves it as a sparse encoder")
         self.device = torch.device(device)
         self.cfg = EncoderConfig.from_dir(self.path)
         conv = self._conventions()
@@ -343,11 +356,8 @@ class EmbeddingModel:
             for k, i in enumerate(order):
                 outs[i].dense = dense_np[k]
         if "sparse" in want:
-            w = torch.relu(F.linear(h.float(), *self.sparse_head)).squeeze(-1).cpu().numpy()  # (T,)
-            ids_np = ids.cpu().numpy()
-            for k, i in enumerate(order):
-                s, L = starts[k], lengths[k]
-                outs[i].sparse = self._lexical_weights(ids_np[s:s + L], w[s:s + L])
+            for k, sparse in enumerate(self.sparse_vectors(h, ids, lengths, starts)):
+                outs[order[k]].sparse = sparse
         if "colbert" in want:
             c = F.normalize(F.linear(h.float(), *self.colbert_head), dim=-1).cpu().numpy()  # (T, Dc)
             for k, i in enumerate(order):
@@ -373,6 +383,14 @@ class EmbeddingModel:
             sums.index_add_(0, seg, h.float())
             pooled = sums / torch.as_tensor(lengths, dtype=torch.float32, device=h.device)[:, None]
         return F.normalize(pooled, dim=-1) if self.normalize else pooled
+
+    def sparse_vectors(self, h: torch.Tensor, ids: torch.Tensor, lengths: list[int], starts: np.ndarray
+                       ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each packed sequence's lexical weights (BGE-M3's sparse head: one weight per token,
+        the largest per token id kept); `SpladeModel` has its own."""
+        w = torch.relu(F.linear(h.float(), *self.sparse_head)).squeeze(-1).cpu().numpy()  # (T,)
+        ids_np = ids.cpu().numpy()
+        return [self._lexical_weights(ids_np[s:s + L], w[s:s + L]) for s, L in zip(starts, lengths)]
 
     def _lexical_weights(self, ids: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keep = (w > 0) & ~np.isin(ids, list(self.special_ids))

@@ -292,9 +292,16 @@ def load_weights(path: Path, keys=None) -> dict[str, torch.Tensor]:
 
 
 def _cut_prefix(k: str) -> str:
+    """The encoder's name of checkpoint key `k`: the model prefix cut, TF-era LayerNorm names
+    (`gamma` / `beta`, as transformers renames them on load) made `weight` / `bias`."""
     for pre in _KEY_PREFIXES:
         if k.startswith(pre):
-            return k[len(pre):]
+            k = k[len(pre):]
+            break
+    if k.endswith(".gamma"):
+        return k[:-6] + ".weight"
+    if k.endswith(".beta"):
+        return k[:-5] + ".bias"
     return k
 
 

