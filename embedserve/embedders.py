@@ -38,7 +38,10 @@ def token_batches(lengths: list[int], budget: int, order: list[int] | None = Non
 class ModelEmbedder:
     """`index.Embedder` over an embedding model (documents in length-sorted token batches)."""
 
-    def __init__(self, model, *, max_input_length: int | None = None, batch_tokens: int = 4096):
+    def __init__(self, model, *, max_input_length: int | None = None, batch_tokens: int = 4096,
+                 sparse_model=None, sparse_max_input_length: int | None = None):
+        """`sparse_model`: a sparse-only model (SPLADE) whose vectors are the index's sparse side,
+        paired with `model`'s dense ones (an `EmbeddingModel` or an engine, like `model`)."""
         if getattr(model.spec, "task", "embed") != "embed":
             raise ValueError(f"{model.spec.name} is a reranker: it scores query-document pairs and gives no vectors "
                              "for an index")
@@ -49,8 +52,19 @@ class ModelEmbedder:
         self.limit = max_input_length or model.max_input_length
         self.batch_tokens = batch_tokens
         self.identity = ModelIdentity.from_spec(model.spec)
+        self.sparse_model = sparse_model
+        if sparse_model is not None:
+            if "sparse" not in sparse_model.spec.embedding_types:
+                raise ValueError(f"{sparse_model.spec.name} gives no sparse vectors: pair a SPLADE model (or a "
+                                 "model with a sparse head) as the sparse side")
+            self.sparse_limit = sparse_max_input_length or sparse_model.max_input_length
+            self.identity = self.identity.with_sparse_model(sparse_model.spec)
 
     # ------------------------------------------------------ conversions (shared with HTTP)
+    def sparse_inputs(self, texts: list[str]) -> list[list[int]]:
+        """A pair's sparse side: token ids of `texts` under the sparse model, cut to its limit."""
+        return [self.sparse_model.truncate(x, self.sparse_limit) for x in self.sparse_model.tokenize(texts, None)]
+
     def passage_inputs(self, texts: list[str]) -> tuple[list[list[int]], list[int]]:
         """Token ids of documents (passage prefix), truncated to the limit; and which were cut."""
         ids = self.model.tokenize(texts, "passage")
@@ -73,19 +87,26 @@ class ModelEmbedder:
             out.append((uniq, counts.astype(np.float32)))
         return out
 
-    def document_vectors(self, outputs: list, texts: list[str], cut: list[int]) -> DocumentVectors:
-        """Index vectors from the model's outputs (`EmbedOutput`s) for `texts`."""
+    def document_vectors(self, outputs: list, texts: list[str], cut: list[int],
+                         sparse_outputs: list | None = None) -> DocumentVectors:
+        """Index vectors from the model's outputs (`EmbedOutput`s) for `texts` (a pair: the
+        sparse side from the sparse model's `sparse_outputs`)."""
         dense = [np.asarray(o.dense, dtype=np.float32) for o in outputs]
+        if self.identity.paired:
+            outputs = sparse_outputs
         if self.identity.has_sparse:
             sparse = [(np.asarray(o.sparse[0], np.int64), np.asarray(o.sparse[1], np.float32)) for o in outputs]
         else:
             sparse = self.lexical_terms(texts)
         return DocumentVectors(dense, sparse, cut)
 
-    def query_vectors(self, out, text: str, mode: str) -> tuple[np.ndarray | None, Sparse | None]:
-        """The query's dense vector and lexical terms from its output (None if `mode` needs no model)."""
+    def query_vectors(self, out, text: str, mode: str, sparse_out=None) -> tuple[np.ndarray | None, Sparse | None]:
+        """The query's dense vector and lexical terms from its output (None if `mode` needs no
+        model; a pair: the sparse side from the sparse model's `sparse_out`)."""
         dense = None if out is None or out.dense is None else np.asarray(out.dense, np.float32)
         sparse = None
+        if self.identity.paired:
+            out = sparse_out
         if mode != "dense":
             if self.identity.has_sparse:
                 sparse = (np.asarray(out.sparse[0], np.int64), np.asarray(out.sparse[1], np.float32))
@@ -103,21 +124,38 @@ class ModelEmbedder:
             outs, _ = self.model.embed([ids[i] for i in batch], want)
             for i, o in zip(batch, outs):
                 outputs[i] = o
-        return self.document_vectors(outputs, texts, cut)
+        sparse = self._sparse_outputs(texts) if self.identity.paired else None
+        return self.document_vectors(outputs, texts, cut, sparse)
+
+    def _sparse_outputs(self, texts: list[str]) -> list:
+        ids = self.sparse_inputs(texts)
+        lengths = [len(x) for x in ids]
+        outputs: list = [None] * len(ids)
+        for batch in token_batches(lengths, self.batch_tokens, sorted(range(len(ids)), key=lengths.__getitem__)):
+            for i, o in zip(batch, self.sparse_model.embed([ids[i] for i in batch], {"sparse"})[0]):
+                outputs[i] = o
+        return outputs
 
     def embed_query(self, text: str, mode: str) -> tuple[np.ndarray | None, Sparse | None]:
         want = query_types(self.identity, mode)
         out = self.model.embed([self.query_inputs(text)], want)[0][0] if want else None
-        return self.query_vectors(out, text, mode)
+        sparse = self._sparse_outputs([text])[0] if self.identity.paired and mode != "dense" else None
+        return self.query_vectors(out, text, mode, sparse)
 
 
-def load_embedder(model: str, dtype: str = "auto", *, threads: int | None = None) -> ModelEmbedder:
-    """An in-process embedder for `model` (a bundled name or a local directory) in `dtype`. A
-    module-level function, so a Ray worker can be handed it by reference and load the model itself."""
+def load_embedder(model: str, dtype: str = "auto", *, threads: int | None = None,
+                  sparse_model: str | None = None) -> ModelEmbedder:
+    """An in-process embedder for `model` (a bundled name or a local directory) in `dtype`, its
+    sparse side from `sparse_model` if given (a pair). A module-level function, so a Ray worker
+    can be handed it by reference and load the model itself."""
     if threads:
         import torch
         torch.set_num_threads(threads)
     from .models.cross_encoder import load_model
     from .models.registry import resolve_model
     name, path = resolve_model(model)
-    return ModelEmbedder(load_model(path, name=name, dtype=dtype))
+    sparse = None
+    if sparse_model is not None:
+        sname, spath = resolve_model(sparse_model)
+        sparse = load_model(spath, name=sname, dtype=dtype)
+    return ModelEmbedder(load_model(path, name=name, dtype=dtype), sparse_model=sparse)

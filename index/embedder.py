@@ -44,8 +44,9 @@ class Embedder(Protocol):
 
 def document_types(identity: ModelIdentity) -> set[str]:
     """Embedding types a document needs in an index of this model: dense, and the sparse head's
-    lexical weights where the model has one (else BM25 terms from the text)."""
-    return {"dense", "sparse"} if identity.has_sparse else {"dense"}
+    lexical weights where the model has one (else BM25 terms from the text; in a pair, the
+    sparse model's)."""
+    return {"dense", "sparse"} if identity.has_sparse and not identity.paired else {"dense"}
 
 
 def query_types(identity: ModelIdentity, mode: str) -> set[str]:
@@ -54,6 +55,6 @@ def query_types(identity: ModelIdentity, mode: str) -> set[str]:
     want = set()
     if mode != "sparse":
         want.add("dense")
-    if mode != "dense" and identity.has_sparse:
+    if mode != "dense" and identity.has_sparse and not identity.paired:
         want.add("sparse")
     return want

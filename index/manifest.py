@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from .durable import atomic_write
@@ -40,6 +40,9 @@ class ModelIdentity:
     has_sparse: bool
     has_colbert: bool = False
     metric: str = METRIC
+    # a pair: the sparse side comes from a second model (SPLADE), named here
+    sparse_model: str | None = None
+    sparse_fingerprint: str | None = None
 
     @classmethod
     def from_spec(cls, spec) -> "ModelIdentity":
@@ -51,8 +54,18 @@ class ModelIdentity:
 
     @property
     def lexical(self) -> str:
-        """The lexical side: the model's own sparse head, else BM25 over the doc text."""
+        """The lexical side: the model's own sparse head (or the paired SPLADE model's weights),
+        else BM25 over the doc text."""
         return "lexical_weights" if self.has_sparse else "bm25"
+
+    @property
+    def paired(self) -> bool:
+        """Dense from this model, sparse from another (`sparse_model`)."""
+        return self.sparse_model is not None
+
+    def with_sparse_model(self, spec) -> "ModelIdentity":
+        """This model's dense side paired with the sparse vectors of `spec`'s model (SPLADE)."""
+        return replace(self, has_sparse=True, sparse_model=spec.name, sparse_fingerprint=spec.fingerprint)
 
 
 @dataclass(slots=True)
@@ -85,6 +98,8 @@ CHECKED_FIELDS = (
     ("query_prefix", "query_prefix", "query_prefix"),
     ("passage_prefix", "passage_prefix", "passage_prefix"),
     ("sparse", "sparse", "lexical"),
+    ("sparse_model", "sparse_model", "sparse_model"),
+    ("sparse_fingerprint", "sparse_fingerprint", "sparse_fingerprint"),
 )
 
 
@@ -109,6 +124,8 @@ class Manifest:
     dense: bool = True
     sparse: str = "bm25"            # "lexical_weights" (the model's sparse head) | "bm25"
     colbert: bool = False           # ColBERT vectors are not stored (yet)
+    sparse_model: str | None = None         # a pair: the model of the sparse side (SPLADE) and its fingerprint
+    sparse_fingerprint: str | None = None
     dense_index: dict = field(default_factory=lambda: asdict(DenseConfig()))
     applied_seq: int = 0            # the snapshot files below hold every write up to this sequence number
     files: dict = field(default_factory=dict)       # part -> {"file", "sha256", "bytes"}
@@ -123,6 +140,7 @@ class Manifest:
                    dimension=identity.dimension, normalize=identity.normalize, metric=identity.metric,
                    pooling=identity.pooling, query_prefix=identity.query_prefix,
                    passage_prefix=identity.passage_prefix, sparse=identity.lexical,
+                   sparse_model=identity.sparse_model, sparse_fingerprint=identity.sparse_fingerprint,
                    dense_index=asdict(dense))
 
     @property
@@ -131,7 +149,8 @@ class Manifest:
         return ModelIdentity(model=self.model, fingerprint=self.fingerprint, dimension=self.dimension,
                              normalize=self.normalize, pooling=self.pooling, query_prefix=self.query_prefix,
                              passage_prefix=self.passage_prefix, has_sparse=self.sparse == "lexical_weights",
-                             has_colbert=self.colbert, metric=self.metric)
+                             has_colbert=self.colbert, metric=self.metric, sparse_model=self.sparse_model,
+                             sparse_fingerprint=self.sparse_fingerprint)
 
     @property
     def dense_config(self) -> DenseConfig:
@@ -174,7 +193,8 @@ class Manifest:
                                 param="format_version", code="manifest_mismatch")
         known = {f.name for f in fields(cls)}
         missing = sorted(known - set(raw) - {"files", "counts", "dense_index", "applied_seq",
-                                             "created_at", "updated_at", "dense", "colbert"})
+                                             "created_at", "updated_at", "dense", "colbert",
+                                             "sparse_model", "sparse_fingerprint"})
         if missing:
             raise IndexCorruptError(f"{path} lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in raw.items() if k in known})

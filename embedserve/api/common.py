@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError as PydanticValidationError
 
+from ..embedders import token_batches
 from ..engine.batch_queue import EmbedRequest
 from ..errors import EmbedServeError, UnavailableError, ValidationError
 from .state import AppState
@@ -78,3 +79,18 @@ async def embed_via_engine(state: AppState, inputs: list[list[int]], want: set[s
             raise req.error
         raise UnavailableError("the model failed on this batch; retry", retry_after=1)
     return req
+
+
+async def through_batcher(state: AppState, request, engine, inputs: list[list[int]], want: set[str],
+                           segments: list | None = None) -> list | None:
+    """The outputs of `inputs`, in order, in several engine requests where they hold more tokens
+    than the queue may take at once; None if the client went away."""
+    budget = max(state.config.embed.max_batch_tokens, state.config.embed.max_queued_tokens // 4)
+    outputs: list = []
+    for chunk in token_batches([len(x) for x in inputs], budget):
+        req = await embed_via_engine(state, [inputs[i] for i in chunk], want, request, engine,
+                                     [segments[i] for i in chunk] if segments else None)
+        if req is None:
+            return None
+        outputs.extend(req.outputs)
+    return outputs

@@ -22,16 +22,16 @@ from starlette.concurrency import run_in_threadpool
 from index import ops
 from index.core import validate_documents
 from index.docstore import Document
-from index.embedder import DocumentVectors, document_types, query_types
+from index.embedder import DocumentVectors
 from index.manifest import DenseConfig
 from index.search import DEFAULT_WEIGHTS, MAX_TOP_K, Query
 from index.store import NAME_PATTERN, check_name
 
-from ..embedders import ModelEmbedder, token_batches
 from ..errors import UnsupportedError, ValidationError
 from index.errors import ConflictError
 from .openapi import route_doc
-from .common import embed_via_engine, parse_body
+from .common import parse_body
+from .index_vectors import embed_documents, embed_query
 from .rerank import score_documents
 from .state import AppState
 
@@ -53,6 +53,8 @@ class CreateIndexRequest(BaseModel):
 
     name: Any = Field(..., json_schema_extra=_NAME)
     model: str | None = None
+    sparse_model: str | None = Field(default=None, description="a served sparse model (SPLADE) whose vectors are "
+                                     "the index's sparse side, paired with `model`'s dense ones")
     dense: Literal["flat", "hnsw"] = "flat"
     hnsw_m: StrictInt = 32
     ef_construction: StrictInt = 200
@@ -222,12 +224,8 @@ class SearchResponse(BaseModel):
     model: str
     mode: Literal["dense", "sparse", "hybrid"]
     data: list[SearchHit]
+    sparse_model: str | None = Field(default=None, description="a pair index's sparse model (SPLADE)")
     rerank_model: str | None = Field(default=None, description="the model that reranked the hits (with `rerank`)")
-
-
-def _embedder(engine) -> ModelEmbedder:
-    """A served model's conversions (texts -> index vectors), over its engine."""
-    return ModelEmbedder(engine, max_input_length=engine.max_input_length)
 
 
 def _why_not(state: AppState, manifest) -> str | None:
@@ -239,35 +237,6 @@ def _why_not(state: AppState, manifest) -> str | None:
     except ConflictError as exc:
         return exc.message
     return None
-
-
-async def _embed_documents(state: AppState, request: Request, texts: list[str], engine) -> DocumentVectors | None:
-    """Document vectors through the engine's batcher, in several engine requests when the
-    documents hold more tokens than the queue may; None if the client went away."""
-    emb = _embedder(engine)
-    ids, cut = await run_in_threadpool(emb.passage_inputs, texts)
-    budget = max(state.config.embed.max_batch_tokens, state.config.embed.max_queued_tokens // 4)
-    outputs: list = []
-    for batch in token_batches([len(x) for x in ids], budget):
-        req = await embed_via_engine(state, [ids[i] for i in batch], document_types(emb.identity), request, engine)
-        if req is None:
-            return None
-        outputs.extend(req.outputs)
-    return await run_in_threadpool(emb.document_vectors, outputs, texts, cut)
-
-
-async def _embed_query(state: AppState, request: Request, text: str, mode: str, engine):
-    """(dense, sparse) of a query through the engine; None if the client went away."""
-    emb = _embedder(engine)
-    want = query_types(emb.identity, mode)
-    out = None
-    if want:
-        ids = await run_in_threadpool(emb.query_inputs, text)
-        req = await embed_via_engine(state, [ids], want, request, engine)
-        if req is None:
-            return None
-        out = req.outputs[0]
-    return await run_in_threadpool(emb.query_vectors, out, text, mode)
 
 
 @asynccontextmanager
@@ -297,6 +266,12 @@ def build_router(state: AppState) -> APIRouter:
             raise UnsupportedError(f"model {state.name_of(engine)!r} gives sparse vectors only (SPLADE); an index "
                                    "needs a model with a dense output", param="model")
         ident = state.identity(engine)
+        if body.sparse_model is not None:
+            sparse = state.require_embedder(body.sparse_model, _BOUND)
+            if "sparse" not in sparse.embedding_types or sparse is engine:
+                raise UnsupportedError(f"sparse_model {body.sparse_model!r} gives no sparse vectors of its own: pair "
+                                       "a SPLADE model (e.g. splade-tiny) with the dense model", param="sparse_model")
+            ident = ident.with_sparse_model(sparse.spec)
         dense = DenseConfig(kind=body.dense, hnsw_m=body.hnsw_m, ef_construction=body.ef_construction,
                             ef_search=body.ef_search)
         info = await run_in_threadpool(indexes.create, name, ident, dense)
@@ -349,12 +324,12 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
             raise ValidationError(f"{len(docs)} documents; the limit (--max-client-batch-size) is "
                                   f"{state.config.http.max_client_batch_size}; split the upsert", param="documents")
         async with _leased(indexes, name) as ix:
-            engine = state.engine_for_index(ix.manifest)
-            ident = state.identity(engine)
+            engine, sparse = state.engines_for_index(ix.manifest)
+            ident = state.index_identity(engine, sparse)
             todo = await run_in_threadpool(ops.plan_upsert, ix, docs)
             vectors = DocumentVectors([], [])
             if todo:
-                vectors = await _embed_documents(state, request, [docs[i].text for i in todo], engine)
+                vectors = await embed_documents(state, request, [docs[i].text for i in todo], engine, sparse)
                 if vectors is None:
                     return Response(status_code=499)
             result = await run_in_threadpool(ops.commit_upsert, ix, docs, todo, vectors, ident)
@@ -365,7 +340,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         check_name(name)
         body = await parse_body(request, DeleteDocumentsRequest)
         async with _leased(indexes, name) as ix:
-            ident = state.identity(state.engine_for_index(ix.manifest)) if state.ready else None
+            ident = state.index_identity(*state.engines_for_index(ix.manifest)) if state.ready else None
             change = await run_in_threadpool(ix.delete, body.ids, ident)
         missing = [k for k, v in change.outcomes.items() if v == "missing"]
         return {"object": "index.delete", "index": name, "version": ix.version,
@@ -390,19 +365,23 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         # the index version and the model that built it, taken together: a swap of `CURRENT`
         # during this request changes neither (this request finishes on the pair it took, leased)
         async with _leased(indexes, name) as ix:
-            engine = state.engine_for_index(ix.manifest)
+            engine, sparse = state.engines_for_index(ix.manifest)
             if body.model is not None and requested is not engine:
                 ix.manifest.check(state.identity(requested), "search")
-            ident = state.identity(engine)
-            vectors = await _embed_query(state, request, body.query, body.mode, engine)
+            ident = state.index_identity(engine, sparse)
+            vectors = await embed_query(state, request, body.query, body.mode, engine, sparse)
             if vectors is None:
                 return Response(status_code=499)
             weights = (body.weights.dense, body.weights.sparse) if body.weights else DEFAULT_WEIGHTS
-            query = Query(dense=vectors[0], sparse=vectors[1], top_k=top_k, mode=body.mode, fusion=body.fusion,
+            # a pair's scores live on two scales (cosine, SPLADE dot products): fuse ranks by default
+            fusion = body.fusion or ("rrf" if sparse is not None else None)
+            query = Query(dense=vectors[0], sparse=vectors[1], top_k=top_k, mode=body.mode, fusion=fusion,
                           weights=weights, filter=body.filter)
             hits = [h.to_dict() for h in await run_in_threadpool(ix.search, query, ident)]
         out = {"object": "list", "index": name, "version": ix.version, "model": state.name_of(engine),
                "mode": body.mode, "data": hits}
+        if sparse is not None:
+            out["sparse_model"] = state.name_of(sparse)
         if reranker is not None:          # outside the lease: the hits hold their text
             scored = await score_documents(state, request, reranker, body.query, [h["text"] for h in hits],
                                            raw=body.rerank.raw_scores, param="rerank")

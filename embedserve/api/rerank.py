@@ -25,11 +25,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from ..embedders import token_batches
 from ..errors import UnsupportedError, ValidationError
 from ..models.cross_encoder import DocumentTooLong, QueryTooLong
 from ..models.scoring import M3_DEFAULT_WEIGHTS, m3_score
-from .common import embed_via_engine, parse_body
+from .common import parse_body, through_batcher
 from .openapi import route_doc
 from .rerank_schemas import (M3_DEFAULT_METHOD, AnyRerankRequest, AnyRerankResponse, RerankRequest, RerankRequestV2,
                              RerankResponse, ScoreRequest, ScoreResponse, TEIRerankRequest, AnyBody)
@@ -124,26 +123,11 @@ async def score_documents(state: AppState, request: Request | None, engine, quer
         raise ValidationError(str(exc), param="query", code="context_length_exceeded") from None
     except DocumentTooLong as exc:
         raise ValidationError(str(exc), param=param, code="context_length_exceeded") from None
-    outputs = await _through_batcher(state, request, engine, pairs.inputs, {"score"}, pairs.segments)
+    outputs = await through_batcher(state, request, engine, pairs.inputs, {"score"}, pairs.segments)
     if outputs is None:
         return None
     scores = [model.relevance(o.score, raw) for o in outputs]
     return Scored(name, scores, pairs.num_tokens, pairs.truncated, pairs.cut_tokens)
-
-
-async def _through_batcher(state: AppState, request, engine, inputs: list[list[int]], want: set[str],
-                           segments: list | None = None) -> list | None:
-    """The outputs of `inputs`, in order, in several engine requests where they hold more tokens
-    than the queue may take at once; None if the client went away."""
-    budget = max(state.config.embed.max_batch_tokens, state.config.embed.max_queued_tokens // 4)
-    outputs: list = []
-    for chunk in token_batches([len(x) for x in inputs], budget):
-        req = await embed_via_engine(state, [inputs[i] for i in chunk], want, request, engine,
-                                     [segments[i] for i in chunk] if segments else None)
-        if req is None:
-            return None
-        outputs.extend(req.outputs)
-    return outputs
 
 
 async def _score_m3(state, request, engine, name, query, texts, scoring, weights, truncate, param) -> Scored | None:
@@ -171,7 +155,7 @@ async def _score_m3(state, request, engine, name, query, texts, scoring, weights
     cut = sum(len(ids[i + 1]) - limit for i in truncated)
     for i in truncated:
         ids[i + 1] = engine.truncate(ids[i + 1], limit)
-    outputs = await _through_batcher(state, request, engine, ids, set(parts))
+    outputs = await through_batcher(state, request, engine, ids, set(parts))
     if outputs is None:
         return None
     scores = [m3_score(outputs[0], d, method, w) for d in outputs[1:]]

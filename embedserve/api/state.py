@@ -139,14 +139,34 @@ class AppState:
         return ModelIdentity.from_spec((engine or self.require_embedder()).spec)
 
     def engine_for_index(self, manifest) -> EmbedEngine:
-        """The served engine whose model built this index version; if none, the manifest's own
-        409 against the default model (never embed a query with one model to search another's)."""
+        """The served engine whose model built this index version (its dense side)."""
+        return self.engines_for_index(manifest)[0]
+
+    def engines_for_index(self, manifest) -> tuple[EmbedEngine, EmbedEngine | None]:
+        """(the engine of the model that built this index version, the engine of its paired
+        sparse model or None); if none matches, the manifest's own 409 against the default model
+        (never embed a query with one model to search another's)."""
         self.require_embedder()
+        sparse = None
+        if manifest.sparse_model is not None:
+            sparse = next((e for e in self.engines("embed").values() if e.spec.name == manifest.sparse_model), None)
+            if sparse is None:
+                raise ConflictError(f"index {manifest.index!r} pairs its dense vectors with the sparse model "
+                                    f"{manifest.sparse_model!r}, which this server does not serve; start it with "
+                                    f"--model {manifest.sparse_model} as well", param="sparse_model",
+                                    code="manifest_mismatch")
         for engine in self.engines("embed").values():
+            if not engine.spec.has_dense:
+                continue
             try:
-                manifest.check(self.identity(engine), "serve")
-                return engine
+                manifest.check(self.index_identity(engine, sparse), "serve")
+                return engine, sparse
             except ConflictError:
                 continue
-        manifest.check(self.identity(), "serve")       # raises the default model's 409, field by field
-        return self.embedder
+        manifest.check(self.index_identity(self.embedder, sparse), "serve")   # the default model's 409, by field
+        return self.embedder, sparse
+
+    def index_identity(self, engine: EmbedEngine, sparse: EmbedEngine | None = None) -> ModelIdentity:
+        """What an index of `engine`'s dense vectors (paired with `sparse`'s) is checked against."""
+        ident = self.identity(engine)
+        return ident.with_sparse_model(sparse.spec) if sparse is not None else ident

@@ -43,6 +43,8 @@ def register(subparsers) -> None:
     c = cmd("create", cmd_create, "create an empty index bound to a model")
     c.add_argument("name")
     model_flags(c, default=os.environ.get("EMBEDSERVE_MODEL", DEFAULT_MODEL))
+    c.add_argument("--sparse-model", default=None,
+                   help="pair a sparse model (SPLADE, e.g. splade-tiny) as the index's sparse side")
     c.add_argument("--dense", choices=["flat", "hnsw"], default="flat", help="exact (flat) or approximate (hnsw)")
     c.add_argument("--hnsw-m", type=int, default=32)
     c.add_argument("--ef-construction", type=int, default=200)
@@ -117,20 +119,21 @@ def store_from_args(args):
 _store = store_from_args
 
 
-def _load_embedder(spec_name: str, dtype: str):
+def _load_embedder(spec_name: str, dtype: str, sparse_model: str | None = None):
     from ..embedders import load_embedder
-    return load_embedder(spec_name, dtype)
+    try:
+        return load_embedder(spec_name, dtype, sparse_model=sparse_model)
+    except ValueError as exc:               # a reranker, or a sparse-only model as the dense side
+        raise ValidationError(f"--model {spec_name}: {exc}") from None
 
 
 def _model_for(args, store):
     """An embedder over `--model`, else over the model the index's manifest names."""
-    model = args.model or store.manifest(args.name).model
+    manifest = store.manifest(args.name)
     try:
-        return _load_embedder(model, args.dtype)
+        return _load_embedder(args.model or manifest.model, args.dtype, manifest.sparse_model)
     except FileNotFoundError as exc:
         raise ValidationError(f"{exc}; pass --model with the model this index was built with") from None
-    except ValueError as exc:               # a reranker named as the index's model
-        raise ValidationError(f"--model {model}: {exc}") from None
 
 
 def _print(obj) -> None:
@@ -140,7 +143,7 @@ def _print(obj) -> None:
 def cmd_create(args) -> int:
     from index.manifest import DenseConfig
     store = _store(args)
-    embedder = _load_embedder(args.model, args.dtype)
+    embedder = _load_embedder(args.model, args.dtype, args.sparse_model)
     dense = DenseConfig(kind=args.dense, hnsw_m=args.hnsw_m, ef_construction=args.ef_construction,
                         ef_search=args.ef_search)
     with store.create(args.name, embedder.identity, dense) as ix:

@@ -3,6 +3,7 @@ index to another embedding model, in this process (no server needed)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -17,6 +18,9 @@ def register(subparsers) -> None:
                               "swapped atomically; --rollback undoes the last one")
     p.add_argument("--index", required=True, dest="name", help="the index to migrate")
     p.add_argument("--to-model", help="bundled model name or local HF directory")
+    p.add_argument("--to-sparse-model", default=None,
+                   help="a pair index's sparse model (SPLADE) in the new version [default: the live version's; "
+                   "none: no paired sparse model]")
     p.add_argument("--rollback", action="store_true", help="make the version the last migration replaced live again, carrying over the "
                    "writes made since the swap (re-embedded with that version's model)")
     p.add_argument("--dry-run", action="store_true", help="build and verify the new version, but do not swap")
@@ -35,11 +39,11 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_reindex)
 
 
-def _embedder(model: str, dtype: str):
+def _embedder(model: str, dtype: str, sparse_model: str | None = None):
     from ..embedders import load_embedder
     from ..errors import ValidationError
     try:
-        return load_embedder(model, dtype)
+        return load_embedder(model, dtype, sparse_model=sparse_model)
     except ValueError as exc:               # e.g. a reranker named as the new model
         raise ValidationError(f"--to-model {model}: {exc}") from None
 
@@ -58,9 +62,11 @@ def cmd_reindex(args) -> int:
             print("embedserve reindex: error: --to-model is required (or --rollback)", file=sys.stderr)
             return 2
         store.current(args.name)                      # a clear error before any model loads
-        embedder = _embedder(args.to_model, args.dtype)
+        sparse = args.to_sparse_model or store.manifest(args.name).sparse_model
+        sparse = None if sparse == "none" else sparse
+        embedder = _embedder(args.to_model, args.dtype, sparse)
         old_embedder = _old_embedder(store, args.name, args.dtype)
-        engine = _engine(args, embedder.model.precision)
+        engine = _engine(args, embedder.model.precision, sparse)
         try:
             with _progress(store, args.name) as tick:
                 entry = reindex(store, args.name, embedder, batch_docs=args.batch_docs, sample=args.sample,
@@ -78,14 +84,15 @@ def cmd_reindex(args) -> int:
     return 0
 
 
-def _engine(args, precision: str):
+def _engine(args, precision: str, sparse_model: str | None = None):
     """The Ray engine for the bulk pass (None in process); its actors load the model by name in
     the precision `--dtype` settled on here, so every worker computes what this process would."""
     if args.engine != "ray":
         return None
     from migrations.ray_engine import RayEngine
     from ..embedders import load_embedder
-    return RayEngine(load_embedder, (args.to_model, precision), address=args.ray_address,
+    load = functools.partial(load_embedder, sparse_model=sparse_model) if sparse_model else load_embedder
+    return RayEngine(load, (args.to_model, precision), address=args.ray_address,
                      actors=args.ray_actors, cpus_per_actor=args.ray_cpus_per_actor)
 
 
@@ -99,14 +106,15 @@ def _rollback(store, name: str, dtype: str, batch_docs: int) -> dict:
     if pending["texts"]:
         logging.getLogger(__name__).info("%d document(s) written since the swap need %s: loading it",
                                          pending["texts"], pending["model"])
-        embedder = _embedder(pending["model"], dtype)
+        embedder = _embedder(pending["model"], dtype, pending.get("sparse_model"))
     return mig.rollback(store, name, embedder, batch_docs=batch_docs)
 
 
 def _old_embedder(store, name: str, dtype: str):
     """The live version's model, for the old-vs-new overlap the gate prints (None if unavailable)."""
     try:
-        return _embedder(store.manifest(name).model, dtype)
+        m = store.manifest(name)
+        return _embedder(m.model, dtype, m.sparse_model)
     except (FileNotFoundError, ValueError) as exc:
         logging.getLogger(__name__).warning("old model unavailable (%s): no top-10 overlap", exc)
         return None
