@@ -182,6 +182,9 @@ class EmbedConfig(Section):
     max_input_length: int | None = opt(None, "longest input in tokens (default: the model's limit)", lo=1, hi=1 << 20)
     max_queued_tokens: int = opt(262_144, "tokens allowed to wait; more gets 429", lo=1, hi=1 << 30)
     max_concurrent_requests: int = opt(512, "requests in flight; more gets 429", lo=1, hi=1 << 20)
+    default_prompt_name: str | None = opt(None, "the named prompt an embedding request without `prompt_name` or "
+                                                "`input_type` gets, for the models that have it (default: the model's "
+                                                "own default_prompt_name, else none)")
 
     def __post_init__(self):
         Section.__post_init__(self)

@@ -39,9 +39,11 @@ class ModelEmbedder:
     """`index.Embedder` over an embedding model (documents in length-sorted token batches)."""
 
     def __init__(self, model, *, max_input_length: int | None = None, batch_tokens: int = 4096,
-                 sparse_model=None, sparse_max_input_length: int | None = None):
+                 sparse_model=None, sparse_max_input_length: int | None = None, prompts: dict | None = None):
         """`sparse_model`: a sparse-only model (SPLADE) whose vectors are the index's sparse side,
-        paired with `model`'s dense ones (an `EmbeddingModel` or an engine, like `model`)."""
+        paired with `model`'s dense ones (an `EmbeddingModel` or an engine, like `model`).
+        `prompts` (name -> text): applied instead of the model's own (an index's recorded ones, or a
+        prompt migration's)."""
         if getattr(model.spec, "task", "embed") != "embed":
             raise ValueError(f"{model.spec.name} is a reranker: it scores query-document pairs and gives no vectors "
                              "for an index")
@@ -52,6 +54,9 @@ class ModelEmbedder:
         self.limit = max_input_length or model.max_input_length
         self.batch_tokens = batch_tokens
         self.identity = ModelIdentity.from_spec(model.spec)
+        if prompts:
+            self.identity = self.identity.with_prompts(prompts)
+        self.prompts = self.identity.prompt_texts()
         self.sparse_model = sparse_model
         if sparse_model is not None:
             if "sparse" not in sparse_model.spec.embedding_types:
@@ -66,16 +71,19 @@ class ModelEmbedder:
         return [self.sparse_model.truncate(x, self.sparse_limit) for x in self.sparse_model.tokenize(texts, None)]
 
     def passage_inputs(self, texts: list[str]) -> tuple[list[list[int]], list[int]]:
-        """Token ids of documents (passage prefix), truncated to the limit; and which were cut."""
-        ids = self.model.tokenize(texts, "passage")
+        """Token ids of documents (passage prompt), truncated to the limit; and which were cut."""
+        ids = self._tokenize(texts, self.prompts["passage"])
         cut = [i for i, x in enumerate(ids) if len(x) > self.limit]
         for i in cut:
             ids[i] = self.model.truncate(ids[i], self.limit)
         return ids, cut
 
-    def query_inputs(self, text: str) -> list[int]:
-        """Token ids of a query (query prefix), truncated to the limit."""
-        return self.model.truncate(self.model.tokenize([text], "query")[0], self.limit)
+    def query_inputs(self, text: str, prompt_name: str = "query") -> list[int]:
+        """Token ids of a query (its prompt: query unless named), truncated to the limit."""
+        return self.model.truncate(self._tokenize([text], self.prompts[prompt_name])[0], self.limit)
+
+    def _tokenize(self, texts: list[str], prompt: str) -> list[list[int]]:
+        return self.model.tokenize([prompt + t for t in texts] if prompt else texts, None)
 
     def lexical_terms(self, texts: list[str]) -> list[Sparse]:
         """BM25's side: (unique token ids, their counts) of each raw text, special tokens dropped."""
@@ -144,10 +152,11 @@ class ModelEmbedder:
 
 
 def load_embedder(model: str, dtype: str = "auto", *, threads: int | None = None,
-                  sparse_model: str | None = None) -> ModelEmbedder:
+                  sparse_model: str | None = None, prompts: dict | None = None) -> ModelEmbedder:
     """An in-process embedder for `model` (a bundled name or a local directory) in `dtype`, its
-    sparse side from `sparse_model` if given (a pair). A module-level function, so a Ray worker
-    can be handed it by reference and load the model itself."""
+    sparse side from `sparse_model` if given (a pair), with `prompts` instead of the model's own
+    if given. A module-level function, so a Ray worker can be handed it by reference and load
+    the model itself."""
     if threads:
         import torch
         torch.set_num_threads(threads)
@@ -158,4 +167,4 @@ def load_embedder(model: str, dtype: str = "auto", *, threads: int | None = None
     if sparse_model is not None:
         sname, spath = resolve_model(sparse_model)
         sparse = load_model(spath, name=sname, dtype=dtype)
-    return ModelEmbedder(load_model(path, name=name, dtype=dtype), sparse_model=sparse)
+    return ModelEmbedder(load_model(path, name=name, dtype=dtype), sparse_model=sparse, prompts=prompts)

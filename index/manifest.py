@@ -43,6 +43,8 @@ class ModelIdentity:
     # a pair: the sparse side comes from a second model (SPLADE), named here
     sparse_model: str | None = None
     sparse_fingerprint: str | None = None
+    # every named prompt applied (name, text), sorted; query / passage are also the prefixes above
+    prompts: tuple = ()
 
     @classmethod
     def from_spec(cls, spec) -> "ModelIdentity":
@@ -50,7 +52,9 @@ class ModelIdentity:
         return cls(model=spec.name, fingerprint=spec.fingerprint, dimension=int(spec.dim),
                    normalize=bool(spec.normalize), pooling=spec.pooling, query_prefix=spec.query_prefix,
                    passage_prefix=spec.passage_prefix, has_sparse=bool(spec.has_sparse),
-                   has_colbert=bool(spec.has_colbert))
+                   has_colbert=bool(spec.has_colbert),
+                   prompts=_prompt_items({**(getattr(spec, "prompts", None) or {}), "query": spec.query_prefix,
+                                          "passage": spec.passage_prefix}))
 
     @property
     def lexical(self) -> str:
@@ -62,6 +66,15 @@ class ModelIdentity:
     def paired(self) -> bool:
         """Dense from this model, sparse from another (`sparse_model`)."""
         return self.sparse_model is not None
+
+    def prompt_texts(self) -> dict[str, str]:
+        return {**dict(self.prompts), "query": self.query_prefix, "passage": self.passage_prefix}
+
+    def with_prompts(self, prompts: dict[str, str]) -> "ModelIdentity":
+        """The same model with `prompts` (name -> text) applied instead of its own."""
+        merged = {**self.prompt_texts(), **prompts}
+        return replace(self, query_prefix=merged["query"], passage_prefix=merged["passage"],
+                       prompts=_prompt_items(merged))
 
     def with_sparse_model(self, spec) -> "ModelIdentity":
         """This model's dense side paired with the sparse vectors of `spec`'s model (SPLADE)."""
@@ -85,6 +98,10 @@ class DenseConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or not 2 <= v <= 4096:
                 raise ValidationError(f"{name} must be an integer in [2, 4096], not {v!r}", param=name)
+
+
+def _prompt_items(prompts: dict) -> tuple:
+    return tuple(sorted((str(k), str(v)) for k, v in prompts.items()))
 
 
 # (field name shown to users, manifest attribute, identity attribute)
@@ -126,6 +143,7 @@ class Manifest:
     colbert: bool = False           # ColBERT vectors are not stored (yet)
     sparse_model: str | None = None         # a pair: the model of the sparse side (SPLADE) and its fingerprint
     sparse_fingerprint: str | None = None
+    prompts: dict = field(default_factory=dict)     # name -> text of every prompt applied (query/passage too)
     dense_index: dict = field(default_factory=lambda: asdict(DenseConfig()))
     applied_seq: int = 0            # the snapshot files below hold every write up to this sequence number
     files: dict = field(default_factory=dict)       # part -> {"file", "sha256", "bytes"}
@@ -141,7 +159,7 @@ class Manifest:
                    pooling=identity.pooling, query_prefix=identity.query_prefix,
                    passage_prefix=identity.passage_prefix, sparse=identity.lexical,
                    sparse_model=identity.sparse_model, sparse_fingerprint=identity.sparse_fingerprint,
-                   dense_index=asdict(dense))
+                   prompts=identity.prompt_texts(), dense_index=asdict(dense))
 
     @property
     def identity(self) -> ModelIdentity:
@@ -150,7 +168,12 @@ class Manifest:
                              normalize=self.normalize, pooling=self.pooling, query_prefix=self.query_prefix,
                              passage_prefix=self.passage_prefix, has_sparse=self.sparse == "lexical_weights",
                              has_colbert=self.colbert, metric=self.metric, sparse_model=self.sparse_model,
-                             sparse_fingerprint=self.sparse_fingerprint)
+                             sparse_fingerprint=self.sparse_fingerprint, prompts=_prompt_items(self.prompt_texts()))
+
+    def prompt_texts(self) -> dict[str, str]:
+        """The prompts this version applies (name -> text): the ones recorded, query and passage
+        from the prefixes (versions made before named prompts record only those)."""
+        return {**self.prompts, "query": self.query_prefix, "passage": self.passage_prefix}
 
     @property
     def dense_config(self) -> DenseConfig:
@@ -194,7 +217,7 @@ class Manifest:
         known = {f.name for f in fields(cls)}
         missing = sorted(known - set(raw) - {"files", "counts", "dense_index", "applied_seq",
                                              "created_at", "updated_at", "dense", "colbert",
-                                             "sparse_model", "sparse_fingerprint"})
+                                             "sparse_model", "sparse_fingerprint", "prompts"})
         if missing:
             raise IndexCorruptError(f"{path} lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in raw.items() if k in known})

@@ -150,7 +150,10 @@ def iso(t: float) -> str:
 def reindex_entry(name, old_manifest, live, version, embedder, ck, report, t0: float, engine) -> dict:
     """The ledger entry of a reindex into `version` (either backend's), before its status."""
     seconds = max(time.time() - t0, 1e-9)
-    return {"kind": "reindex", "index": name, "parent": live, "version": version,
+    before, after = old_manifest.prompt_texts(), embedder.identity.prompt_texts()
+    changed = {k: {"from": before.get(k), "to": after.get(k)} for k in sorted(set(before) | set(after))
+               if before.get(k) != after.get(k)}
+    return {"kind": "reindex", "index": name, "parent": live, "version": version, "prompts_changed": changed,
             "from_model": old_manifest.model, "from_fingerprint": old_manifest.fingerprint,
             "to_model": embedder.identity.model, "to_fingerprint": embedder.identity.fingerprint,
             "documents": report.documents, "embedded": ck.embedded, "gate": report.to_dict(),

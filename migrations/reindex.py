@@ -172,8 +172,9 @@ def live_to_migrate(store, name: str, embedder):
     """(live version, its manifest), refused when the live version is `embedder`'s model already."""
     live = store.current(name)
     old_manifest = store.manifest(name, live)
-    if (old_manifest.fingerprint, old_manifest.sparse_fingerprint) == (embedder.identity.fingerprint,
-                                                                        embedder.identity.sparse_fingerprint):
+    new = embedder.identity
+    if (old_manifest.fingerprint, old_manifest.sparse_fingerprint, old_manifest.prompt_texts()) == (
+            new.fingerprint, new.sparse_fingerprint, new.prompt_texts()):
         raise MigrationError(f"index {name!r} is already built with {embedder.identity.model!r}; nothing to "
                              "reindex", code="same_model")
     return live, old_manifest
@@ -352,7 +353,8 @@ def writes_since_swap(store: IndexStore, name: str, history: list[dict] | None =
     back = store.open(name, version=last["parent"])
     try:
         out = {"written": 0, "texts": 0, "deleted": len(back.docs.ids() - cur.docs.ids()),
-               "model": back.manifest.model, "sparse_model": back.manifest.sparse_model}
+               "model": back.manifest.model, "sparse_model": back.manifest.sparse_model,
+               "prompts": back.manifest.prompt_texts()}
         upto = last.get("swap_seq", 0)
         while rows := cur.docs.documents_after(upto, 1024):
             out["written"] += len(rows)

@@ -43,6 +43,8 @@ class EmbeddingRequest(BaseModel):
     # extensions
     embedding_types: list[Literal["dense", "sparse", "colbert"]] | None = Field(default=None, min_length=1)
     input_type: Literal["query", "passage"] | None = None
+    prompt_name: str | None = Field(default=None, max_length=256, description="one of the model's named prompts "
+                                    "(GET /v1/models lists them); query and passage are input_type's two")
     truncate: StrictBool = False
     truncation_direction: Literal["right", "left", "Right", "Left"] = Field(
         default="right", description="with truncate: keep the first tokens (right, the default) or the last (left)")
@@ -177,11 +179,14 @@ def _check_types(name: str, engine, body: EmbeddingRequest) -> set[str]:
 async def _token_inputs(state: AppState, engine, body: EmbeddingRequest) -> list[list[int]]:
     """Token ids of every input (tokenized off the event loop), with the model's specials."""
     texts, id_lists = parse_inputs(body.input, state.config.http.max_client_batch_size)
+    prompt = engine.prompt_name(body.prompt_name, body.input_type)
     if texts is not None:
-        return await run_in_threadpool(engine.tokenize, texts, body.input_type)
-    if engine.has_prefix(body.input_type):
-        raise ValidationError("`input_type` adds a text prefix and cannot apply to token-id input; "
-                              "send text, or include the prefix tokens yourself", param="input_type")
+        return await run_in_threadpool(engine.tokenize, texts, prompt)
+    asked = body.prompt_name or body.input_type        # token ids never get a default prompt
+    if engine.has_prefix(asked):
+        raise ValidationError(f"the prompt {asked!r} adds text before the input and cannot apply to token-id input; "
+                              "send text, or include the prompt's tokens yourself",
+                              param="prompt_name" if body.prompt_name else "input_type")
     vocab = engine.spec.vocab_size
     for i, ids in enumerate(id_lists):
         bad = next((t for t in ids if not 0 <= t < vocab), None)

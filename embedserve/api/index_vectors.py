@@ -14,18 +14,19 @@ from .common import through_batcher
 from .state import AppState
 
 
-def index_embedder(engine, sparse=None) -> ModelEmbedder:
+def index_embedder(engine, sparse=None, manifest=None) -> ModelEmbedder:
     """A served model's conversions (texts -> index vectors), over its engine (and the engine of
-    the paired sparse model)."""
+    the paired sparse model), with the prompts the index version `manifest` records."""
     return ModelEmbedder(engine, max_input_length=engine.max_input_length, sparse_model=sparse,
-                         sparse_max_input_length=sparse.max_input_length if sparse is not None else None)
+                         sparse_max_input_length=sparse.max_input_length if sparse is not None else None,
+                         prompts=manifest.prompt_texts() if manifest is not None else None)
 
 
 async def embed_documents(state: AppState, request: Request, texts: list[str], engine,
-                          sparse=None) -> DocumentVectors | None:
+                          sparse=None, manifest=None) -> DocumentVectors | None:
     """Document vectors through the engines' batchers (in several engine requests when the
     documents hold more tokens than a queue may take); None if the client went away."""
-    emb = index_embedder(engine, sparse)
+    emb = index_embedder(engine, sparse, manifest)
     ids, cut = await run_in_threadpool(emb.passage_inputs, texts)
     outputs = await through_batcher(state, request, engine, ids, document_types(emb.identity))
     if outputs is None:
@@ -39,13 +40,16 @@ async def embed_documents(state: AppState, request: Request, texts: list[str], e
     return await run_in_threadpool(emb.document_vectors, outputs, texts, cut, sparse_outputs)
 
 
-async def embed_query(state: AppState, request: Request, text: str, mode: str, engine, sparse=None):
-    """(dense, sparse) of a query through the engines; None if the client went away."""
-    emb = index_embedder(engine, sparse)
+async def embed_query(state: AppState, request: Request, text: str, mode: str, engine, sparse=None,
+                      manifest=None, prompt_name: str = "query"):
+    """(dense, sparse) of a query through the engines (its prompt: the index's `prompt_name`);
+    None if the client went away."""
+    emb = index_embedder(engine, sparse, manifest)
     want = query_types(emb.identity, mode)
     out = sparse_out = None
     if want:
-        outs = await through_batcher(state, request, engine, [await run_in_threadpool(emb.query_inputs, text)], want)
+        ids = await run_in_threadpool(emb.query_inputs, text, prompt_name)
+        outs = await through_batcher(state, request, engine, [ids], want)
         if outs is None:
             return None
         out = outs[0]

@@ -118,6 +118,8 @@ class SearchRequest(BaseModel):
     weights: Weights | None = None
     filter: dict[str, Any] | None = None
     rerank: SearchRerank | None = None
+    prompt_name: str | None = Field(default=None, max_length=256, description="one of the index's named prompts for "
+                                    "the query (default: its query prompt)")
 
 
 class Counts(BaseModel):
@@ -325,11 +327,12 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
                                   f"{state.config.http.max_client_batch_size}; split the upsert", param="documents")
         async with _leased(indexes, name) as ix:
             engine, sparse = state.engines_for_index(ix.manifest)
-            ident = state.index_identity(engine, sparse)
+            ident = state.index_identity(engine, sparse, ix.manifest)
             todo = await run_in_threadpool(ops.plan_upsert, ix, docs)
             vectors = DocumentVectors([], [])
             if todo:
-                vectors = await embed_documents(state, request, [docs[i].text for i in todo], engine, sparse)
+                vectors = await embed_documents(state, request, [docs[i].text for i in todo], engine, sparse,
+                                                ix.manifest)
                 if vectors is None:
                     return Response(status_code=499)
             result = await run_in_threadpool(ops.commit_upsert, ix, docs, todo, vectors, ident)
@@ -340,7 +343,7 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
         check_name(name)
         body = await parse_body(request, DeleteDocumentsRequest)
         async with _leased(indexes, name) as ix:
-            ident = state.index_identity(*state.engines_for_index(ix.manifest)) if state.ready else None
+            ident = state.index_identity(*state.engines_for_index(ix.manifest), ix.manifest) if state.ready else None
             change = await run_in_threadpool(ix.delete, body.ids, ident)
         missing = [k for k, v in change.outcomes.items() if v == "missing"]
         return {"object": "index.delete", "index": name, "version": ix.version,
@@ -368,8 +371,9 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
             engine, sparse = state.engines_for_index(ix.manifest)
             if body.model is not None and requested is not engine:
                 ix.manifest.check(state.identity(requested), "search")
-            ident = state.index_identity(engine, sparse)
-            vectors = await embed_query(state, request, body.query, body.mode, engine, sparse)
+            ident = state.index_identity(engine, sparse, ix.manifest)
+            prompt = _search_prompt(ix.manifest, body.prompt_name)
+            vectors = await embed_query(state, request, body.query, body.mode, engine, sparse, ix.manifest, prompt)
             if vectors is None:
                 return Response(status_code=499)
             weights = (body.weights.dense, body.weights.sparse) if body.weights else DEFAULT_WEIGHTS
@@ -393,6 +397,20 @@ def _add_document_routes(router: APIRouter, state: AppState) -> None:
             out["data"] = sorted(hits, key=lambda h: -h["score"])[:body.top_k]
             out["rerank_model"] = scored.model
         return out
+
+
+def _search_prompt(manifest, name: str | None) -> str:
+    """The prompt a search's query gets: the index's `query` prompt, or the named one it records
+    (409 naming both when the index was not built with that prompt)."""
+    if name is None:
+        return "query"
+    have = manifest.prompt_texts()
+    if name not in have:
+        raise ConflictError(f"index {manifest.index!r} (version {manifest.version}) was built with the prompts "
+                            f"{', '.join(repr(n) for n in sorted(have))}; the request names {name!r}; use one of "
+                            "those, or reindex with it (embedserve reindex --prompt NAME=TEXT)", param="prompt_name",
+                            code="prompt_mismatch")
+    return name
 
 
 def _index_object(info: dict) -> dict:

@@ -159,14 +159,18 @@ class AppState:
             if not engine.spec.has_dense:
                 continue
             try:
-                manifest.check(self.index_identity(engine, sparse), "serve")
+                manifest.check(self.index_identity(engine, sparse, manifest), "serve")
                 return engine, sparse
             except ConflictError:
                 continue
-        manifest.check(self.index_identity(self.embedder, sparse), "serve")   # the default model's 409, by field
+        manifest.check(self.index_identity(self.embedder, sparse, manifest), "serve")   # the default's 409, by field
         return self.embedder, sparse
 
-    def index_identity(self, engine: EmbedEngine, sparse: EmbedEngine | None = None) -> ModelIdentity:
-        """What an index of `engine`'s dense vectors (paired with `sparse`'s) is checked against."""
+    def index_identity(self, engine: EmbedEngine, sparse: EmbedEngine | None = None, manifest=None) -> ModelIdentity:
+        """What an index of `engine`'s dense vectors (paired with `sparse`'s) is checked against:
+        with `manifest`, the prompts that version records (an index applies its own prompts, so a
+        prompt migration's version is served by the same model)."""
         ident = self.identity(engine)
-        return ident.with_sparse_model(sparse.spec) if sparse is not None else ident
+        if sparse is not None:
+            ident = ident.with_sparse_model(sparse.spec)
+        return ident.with_prompts(manifest.prompt_texts()) if manifest is not None else ident

@@ -44,6 +44,8 @@ class ModelObject(BaseModel):
     max_input_length: int | None = None
     pooling: str | None = None
     embedding_types: list[Literal["dense", "sparse", "colbert"]] | None = None
+    prompts: dict[str, str] | None = Field(default=None, description="an embedder's named prompts (name -> the text "
+                                           "put before the input): `prompt_name` / `input_type` choose one")
     dtype: str | None = None
     fingerprint: str | None = None
     limits: dict[str, int] | None = Field(default=None, description="what one request must stay under")
@@ -123,7 +125,8 @@ def build_router(state: AppState) -> APIRouter:
                    "fingerprint": spec.fingerprint, "limits": _limits(state, eng)}
             if eng.task == "embed":
                 row.update(dimensions=spec.dim, pooling=spec.pooling,
-                           embedding_types=sorted(eng.embedding_types, key=lambda t: (t != "dense", t)))
+                           embedding_types=sorted(eng.embedding_types, key=lambda t: (t != "dense", t)),
+                           prompts=dict(eng.prompts))
             methods = rerank_methods(eng)
             if methods:
                 row["rerank"] = methods

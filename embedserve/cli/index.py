@@ -119,10 +119,10 @@ def store_from_args(args):
 _store = store_from_args
 
 
-def _load_embedder(spec_name: str, dtype: str, sparse_model: str | None = None):
+def _load_embedder(spec_name: str, dtype: str, sparse_model: str | None = None, prompts: dict | None = None):
     from ..embedders import load_embedder
     try:
-        return load_embedder(spec_name, dtype, sparse_model=sparse_model)
+        return load_embedder(spec_name, dtype, sparse_model=sparse_model, prompts=prompts)
     except ValueError as exc:               # a reranker, or a sparse-only model as the dense side
         raise ValidationError(f"--model {spec_name}: {exc}") from None
 
@@ -131,7 +131,7 @@ def _model_for(args, store):
     """An embedder over `--model`, else over the model the index's manifest names."""
     manifest = store.manifest(args.name)
     try:
-        return _load_embedder(args.model or manifest.model, args.dtype, manifest.sparse_model)
+        return _load_embedder(args.model or manifest.model, args.dtype, manifest.sparse_model, manifest.prompt_texts())
     except FileNotFoundError as exc:
         raise ValidationError(f"{exc}; pass --model with the model this index was built with") from None
 

@@ -18,6 +18,9 @@ def register(subparsers) -> None:
                               "swapped atomically; --rollback undoes the last one")
     p.add_argument("--index", required=True, dest="name", help="the index to migrate")
     p.add_argument("--to-model", help="bundled model name or local HF directory")
+    p.add_argument("--prompt", action="append", default=[], metavar="NAME=TEXT",
+                   help="a prompt of the new version (repeat for several: query=..., passage=..., or a named one); "
+                   "with the live model (no --to-model) this is a prompt migration: same weights, re-embedded")
     p.add_argument("--to-sparse-model", default=None,
                    help="a pair index's sparse model (SPLADE) in the new version [default: the live version's; "
                    "none: no paired sparse model]")
@@ -39,11 +42,24 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_reindex)
 
 
-def _embedder(model: str, dtype: str, sparse_model: str | None = None):
+def _prompts(pairs: list[str]) -> dict[str, str]:
+    """`--prompt NAME=TEXT` values as a dict (ValidationError naming a malformed one)."""
+    from ..errors import ValidationError
+    out = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name.strip():
+            raise ValidationError(f"--prompt {pair!r}: give NAME=TEXT, e.g. --prompt 'query=Represent this "
+                                  "question for retrieval: '")
+        out[name.strip()] = text
+    return out
+
+
+def _embedder(model: str, dtype: str, sparse_model: str | None = None, prompts: dict | None = None):
     from ..embedders import load_embedder
     from ..errors import ValidationError
     try:
-        return load_embedder(model, dtype, sparse_model=sparse_model)
+        return load_embedder(model, dtype, sparse_model=sparse_model, prompts=prompts)
     except ValueError as exc:               # e.g. a reranker named as the new model
         raise ValidationError(f"--to-model {model}: {exc}") from None
 
@@ -58,15 +74,19 @@ def cmd_reindex(args) -> int:
         if args.rollback:
             _print(_rollback(store, args.name, args.dtype, args.batch_docs))
             return 0
-        if not args.to_model:
-            print("embedserve reindex: error: --to-model is required (or --rollback)", file=sys.stderr)
+        if not args.to_model and not args.prompt:
+            print("embedserve reindex: error: --to-model or --prompt is required (or --rollback)", file=sys.stderr)
             return 2
         store.current(args.name)                      # a clear error before any model loads
-        sparse = args.to_sparse_model or store.manifest(args.name).sparse_model
+        live = store.manifest(args.name)
+        sparse = args.to_sparse_model or live.sparse_model
         sparse = None if sparse == "none" else sparse
-        embedder = _embedder(args.to_model, args.dtype, sparse)
+        model = args.to_model or live.model
+        # the same model keeps the live version's prompts (what --prompt changes); another brings its own
+        prompts = {**(live.prompt_texts() if model == live.model else {}), **_prompts(args.prompt)}
+        embedder = _embedder(model, args.dtype, sparse, prompts or None)
         old_embedder = _old_embedder(store, args.name, args.dtype)
-        engine = _engine(args, embedder.model.precision, sparse)
+        engine = _engine(args, model, embedder.model.precision, sparse, prompts or None)
         try:
             with _progress(store, args.name) as tick:
                 entry = reindex(store, args.name, embedder, batch_docs=args.batch_docs, sample=args.sample,
@@ -84,15 +104,15 @@ def cmd_reindex(args) -> int:
     return 0
 
 
-def _engine(args, precision: str, sparse_model: str | None = None):
+def _engine(args, model: str, precision: str, sparse_model: str | None = None, prompts: dict | None = None):
     """The Ray engine for the bulk pass (None in process); its actors load the model by name in
     the precision `--dtype` settled on here, so every worker computes what this process would."""
     if args.engine != "ray":
         return None
     from migrations.ray_engine import RayEngine
     from ..embedders import load_embedder
-    load = functools.partial(load_embedder, sparse_model=sparse_model) if sparse_model else load_embedder
-    return RayEngine(load, (args.to_model, precision), address=args.ray_address,
+    load = functools.partial(load_embedder, sparse_model=sparse_model, prompts=prompts)
+    return RayEngine(load, (model, precision), address=args.ray_address,
                      actors=args.ray_actors, cpus_per_actor=args.ray_cpus_per_actor)
 
 
@@ -106,7 +126,7 @@ def _rollback(store, name: str, dtype: str, batch_docs: int) -> dict:
     if pending["texts"]:
         logging.getLogger(__name__).info("%d document(s) written since the swap need %s: loading it",
                                          pending["texts"], pending["model"])
-        embedder = _embedder(pending["model"], dtype, pending.get("sparse_model"))
+        embedder = _embedder(pending["model"], dtype, pending.get("sparse_model"), pending.get("prompts"))
     return mig.rollback(store, name, embedder, batch_docs=batch_docs)
 
 
@@ -114,7 +134,7 @@ def _old_embedder(store, name: str, dtype: str):
     """The live version's model, for the old-vs-new overlap the gate prints (None if unavailable)."""
     try:
         m = store.manifest(name)
-        return _embedder(m.model, dtype, m.sparse_model)
+        return _embedder(m.model, dtype, m.sparse_model, m.prompt_texts())
     except (FileNotFoundError, ValueError) as exc:
         logging.getLogger(__name__).warning("old model unavailable (%s): no top-10 overlap", exc)
         return None

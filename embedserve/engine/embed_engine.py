@@ -78,6 +78,28 @@ class EmbedEngine(EngineThread):
     def special_ids(self) -> set[int]:
         return self.model.special_ids
 
+    @property
+    def prompts(self) -> dict[str, str]:
+        """The model's named prompts (query, passage, and its own), name -> text."""
+        return self.model.prefixes
+
+    def prompt_name(self, prompt_name: str | None, input_type: str | None = None) -> str | None:
+        """The prompt a request's text gets: `prompt_name`, else `input_type` (query | passage),
+        else `--default-prompt-name` where this model has it, else the model's own default.
+        ValidationError naming the prompts when the model has no such prompt."""
+        from ..errors import ValidationError
+        if prompt_name is not None and input_type is not None and prompt_name != input_type:
+            raise ValidationError(f"`prompt_name` {prompt_name!r} and `input_type` {input_type!r} disagree; send one",
+                                  param="prompt_name")
+        name = prompt_name or input_type
+        if name is None:
+            default = self.config.default_prompt_name
+            name = default if default in self.prompts else self.model.default_prompt_name
+        if name is not None and name not in self.prompts:
+            raise ValidationError(f"model {self.spec.name!r} has no prompt {name!r}; its prompts are "
+                                  f"{', '.join(repr(n) for n in sorted(self.prompts))}", param="prompt_name")
+        return name
+
     def has_prefix(self, input_type: str | None) -> bool:
         """Whether `input_type` (query | passage) adds a text prefix for this model."""
         return bool(self.model.prefixes.get(input_type or ""))

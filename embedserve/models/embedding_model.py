@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +63,7 @@ class ModelSpec:
     fingerprint: str
     task: str = "embed"     # "embed" | "rerank" (a cross-encoder: scores query-document pairs)
     has_dense: bool = True  # False: a sparse-only encoder (SPLADE)
+    prompts: dict = field(default_factory=dict)     # named prompts, name -> text (query / passage included)
     num_labels: int = 0     # a cross-encoder's classifier outputs
 
     def to_dict(self) -> dict:
@@ -89,12 +90,22 @@ class EmbedOutput:
 
 
 def read_conventions(path: Path) -> dict:
-    """Pooling, normalization and prefixes from `embedserve_model.json`, else from a
-    sentence-transformers layout, else BGE-M3's (CLS) when its heads are present."""
+    """Pooling, normalization and prompts from `embedserve_model.json`, else from a
+    sentence-transformers layout, else BGE-M3's (CLS) when its heads are present. Named prompts:
+    `prompts` (and `default_prompt_name`) of embedserve_model.json, else of sentence-transformers'
+    `config_sentence_transformers.json`."""
     own = path / "embedserve_model.json"
+    st = path / "config_sentence_transformers.json"
+    st_conf = json.loads(st.read_text()) if st.exists() else {}
     if own.exists():
-        return json.loads(own.read_text())
-    conv = {"pooling": "mean", "normalize": True, "query_prefix": "", "passage_prefix": ""}
+        conv = json.loads(own.read_text())
+        conv.setdefault("prompts", st_conf.get("prompts") or {})
+        conv.setdefault("default_prompt_name", st_conf.get("default_prompt_name"))
+        return conv
+    prompts = {str(k): str(v) for k, v in (st_conf.get("prompts") or {}).items()}
+    conv = {"pooling": "mean", "normalize": True, "prompts": prompts,
+            "query_prefix": prompts.get("query", ""), "passage_prefix": prompts.get("passage", prompts.get("document", "")),
+            "default_prompt_name": st_conf.get("default_prompt_name")}
     pooling_cfg = path / "1_Pooling" / "config.json"
     if (path / "sparse_linear.pt").exists() or (path / "colbert_linear.pt").exists():
         conv["pooling"] = "cls"
@@ -177,7 +188,13 @@ class EmbeddingModel:
         conv = self._conventions()
         self.pooling = conv.get("pooling", "mean")
         self.normalize = bool(conv.get("normalize", True))
-        self.prefixes = {"query": conv.get("query_prefix", ""), "passage": conv.get("passage_prefix", "")}
+        # named prompts: query / passage (the two every model has, empty where it has none) and its own
+        self.prefixes = {**{str(k): str(v) for k, v in (conv.get("prompts") or {}).items()},
+                         "query": conv.get("query_prefix", ""), "passage": conv.get("passage_prefix", "")}
+        self.default_prompt_name = conv.get("default_prompt_name") or None
+        if self.default_prompt_name is not None and self.default_prompt_name not in self.prefixes:
+            raise ValueError(f"{self.path}: default_prompt_name {self.default_prompt_name!r} is none of its prompts "
+                             f"({', '.join(sorted(self.prefixes))})")
         self.tokenizer = self._load_tokenizer()
         self.sparse_head = self.colbert_head = None
         if (self.path / "sparse_linear.pt").exists():
@@ -195,7 +212,7 @@ class EmbeddingModel:
             passage_prefix=self.prefixes["passage"], max_input_length=self.max_input_length,
             vocab_size=self.cfg.vocab_size, has_sparse=self.sparse_head is not None,
             has_colbert=self.colbert_head is not None,
-            dtype=self.precision, fingerprint=self.fingerprint, task=self.task)
+            dtype=self.precision, fingerprint=self.fingerprint, task=self.task, prompts=dict(self.prefixes))
 
     def _conventions(self) -> dict:
         return read_conventions(self.path)
