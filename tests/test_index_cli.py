@@ -16,9 +16,10 @@ from embedserve.embedders import ModelEmbedder
 def cli(request, tmp_path, minilm_model, monkeypatch, capsys):
     loaded = []
 
-    def fake_load(name, dtype):
+    def fake_load(name, dtype, sparse_model=None, prompts=None):
         loaded.append(name)
-        return ModelEmbedder(minilm_model)
+        assert sparse_model is None                  # these indexes pair no sparse model
+        return ModelEmbedder(minilm_model, prompts=prompts)
     monkeypatch.setattr(index_cli, "_load_embedder", fake_load)
 
     where = ["--index-dir", str(tmp_path / "ix")]

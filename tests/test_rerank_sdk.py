@@ -77,3 +77,18 @@ def test_client_rerank_and_search_with_rerank(server, reference):
         assert all(h["scores"]["rerank"] == pytest.approx(reference[int(h["id"])], abs=1e-6) for h in hits)
         assert np.isfinite([h["scores"]["retrieval"] for h in hits]).all()
         ix.drop()
+
+
+def test_client_tokenize_prompts_and_left_truncation(server):
+    with Client(server) as c:
+        tok = c.tokenize("Paris 巴黎", model="multilingual-e5-small", input_type="query")
+        assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+        e = c.embed(["Paris"], prompt_name="query")
+        q = c.embed(["Paris"], input_type="query")
+        np.testing.assert_allclose(e.dense, q.dense, atol=1e-6)
+        long = "Paris is lovely in spring. " * 120 + "量子计算机很冷。" * 120
+        left = c.embed([long], truncate=True, truncation_direction="left")
+        right = c.embed([long], truncate=True)
+        assert left.truncated == right.truncated == [0]
+        zh = c.embed(["量子计算机很冷。" * 60]).dense[0]
+        assert float(left.dense[0] @ zh) > float(right.dense[0] @ zh) + 0.1   # the end (Chinese) kept

@@ -168,8 +168,10 @@ def parse_embeddings(parts: list[tuple[int, dict]], n: int) -> Embeddings:
 
 
 def embed_body(texts: list[str], model: str | None, input_type: str | None,
-               embedding_types: list[str] | None, truncate: bool) -> dict:
-    body: dict = {"input": texts, "encoding_format": "base64"}
+               embedding_types: list[str] | None, truncate: bool, extra: dict | None = None) -> dict:
+    """/v1/embeddings' body; `extra`: further fields (prompt_name, truncation_direction), None ones dropped."""
+    body: dict = {"input": texts, "encoding_format": "base64", **{k: v for k, v in (extra or {}).items()
+                                                                 if v is not None}}
     if model:
         body["model"] = model
     if input_type:
@@ -206,7 +208,7 @@ def sse_events(lines):
 
 
 def search_body(index: str, query: str, top_k: int, mode: str, filters: dict | None, fusion: str | None,
-                rerank: bool | str | dict | None = None) -> dict:
+                rerank: bool | str | dict | None = None, prompt_name: str | None = None) -> dict:
     """/v1/search's body; `rerank`: True (the server's default reranker), a model name, or the
     whole `{"model", "candidates"}` object."""
     body = {"index": index, "query": query, "top_k": top_k, "mode": mode}
@@ -216,6 +218,8 @@ def search_body(index: str, query: str, top_k: int, mode: str, filters: dict | N
         body["fusion"] = fusion
     if rerank:
         body["rerank"] = {} if rerank is True else {"model": rerank} if isinstance(rerank, str) else dict(rerank)
+    if prompt_name:
+        body["prompt_name"] = prompt_name
     return body
 
 

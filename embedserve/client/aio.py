@@ -67,14 +67,16 @@ class AsyncClient:
         return await self.request("GET", "/v1/models")
 
     async def embed(self, texts: str | list[str], *, model: str | None = None, input_type: str | None = None,
-                    embedding_types: list[str] | None = None, truncate: bool = False) -> Embeddings:
+                    embedding_types: list[str] | None = None, truncate: bool = False,
+                    prompt_name: str | None = None, truncation_direction: str | None = None) -> Embeddings:
         texts = [texts] if isinstance(texts, str) else list(texts)
         ranges = _core.split(texts, await self.limits(), size_of=_core.json_size)
         gate = asyncio.Semaphore(self.max_concurrency)
 
         async def send(rng):
             async with gate:
-                body = _core.embed_body(texts[rng[0]:rng[1]], model, input_type, embedding_types, truncate)
+                body = _core.embed_body(texts[rng[0]:rng[1]], model, input_type, embedding_types, truncate,
+                                        {"prompt_name": prompt_name, "truncation_direction": truncation_direction})
                 return rng[0], await self.request("POST", "/v1/embeddings", body)
 
         parts = await asyncio.gather(*(send(r) for r in ranges))
@@ -94,6 +96,9 @@ class AsyncClient:
 
         parts = await asyncio.gather(*(send(r) for r in ranges))
         return _core.merge_rerank(list(parts), documents, top_n, return_documents)
+
+    async def tokenize(self, text: str, *, model: str | None = None, **fields) -> dict:
+        return await self.request("POST", "/tokenize", {"prompt": text, "model": model, **fields})
 
     def index(self, name: str) -> "AsyncIndex":
         return AsyncIndex(self, name)
@@ -121,9 +126,11 @@ class AsyncIndex:
     def __init__(self, client: AsyncClient, name: str):
         self.client, self.name = client, name
 
-    async def create(self, *, dense: str = "flat", model: str | None = None, exist_ok: bool = False) -> dict:
+    async def create(self, *, dense: str = "flat", model: str | None = None, exist_ok: bool = False,
+                     sparse_model: str | None = None) -> dict:
         try:
-            return await self.client.request("POST", "/v1/indexes", {"name": self.name, "dense": dense, "model": model})
+            return await self.client.request("POST", "/v1/indexes", {"name": self.name, "dense": dense, "model": model,
+                                                           "sparse_model": sparse_model})
         except ConflictError as exc:
             if exist_ok and exc.code == "index_exists":
                 return await self.info()
@@ -140,6 +147,7 @@ class AsyncIndex:
         return await self.client.request("DELETE", f"/v1/indexes/{self.name}/documents", {"ids": list(ids)})
 
     async def search(self, query: str, *, top_k: int = 10, mode: str = "dense", filters: dict | None = None,
-                     fusion: str | None = None, rerank: bool | str | dict | None = None) -> list[dict]:
-        body = _core.search_body(self.name, query, top_k, mode, filters, fusion, rerank)
+                     fusion: str | None = None, rerank: bool | str | dict | None = None,
+                     prompt_name: str | None = None) -> list[dict]:
+        body = _core.search_body(self.name, query, top_k, mode, filters, fusion, rerank, prompt_name)
         return (await self.client.request("POST", "/v1/search", body))["data"]

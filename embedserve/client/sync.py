@@ -74,14 +74,16 @@ class Client:
         return self.request("GET", "/v1/models")
 
     def embed(self, texts: str | list[str], *, model: str | None = None, input_type: str | None = None,
-              embedding_types: list[str] | None = None, truncate: bool = False) -> Embeddings:
+              embedding_types: list[str] | None = None, truncate: bool = False,
+              prompt_name: str | None = None, truncation_direction: str | None = None) -> Embeddings:
         """Embed `texts`, split into several requests under the server's limits (sent with bounded
         concurrency) and reassembled in order."""
         texts = [texts] if isinstance(texts, str) else list(texts)
         ranges = _core.split(texts, self.limits(), size_of=_core.json_size)
 
         def send(rng):
-            body = _core.embed_body(texts[rng[0]:rng[1]], model, input_type, embedding_types, truncate)
+            body = _core.embed_body(texts[rng[0]:rng[1]], model, input_type, embedding_types, truncate,
+                                        {"prompt_name": prompt_name, "truncation_direction": truncation_direction})
             return rng[0], self.request("POST", "/v1/embeddings", body)
 
         if len(ranges) == 1:
@@ -109,6 +111,11 @@ class Client:
             with ThreadPoolExecutor(min(self.max_concurrency, len(ranges))) as pool:
                 parts = list(pool.map(send, ranges))
         return _core.merge_rerank(parts, documents, top_n, return_documents)
+
+    def tokenize(self, text: str, *, model: str | None = None, **fields) -> dict:
+        """The served model's tokens of `text` (POST /tokenize): `{tokens, count, max_model_len, ...}`,
+        for chunking documents by tokens without loading the tokenizer here."""
+        return self.request("POST", "/tokenize", {"prompt": text, "model": model, **fields})
 
     def index(self, name: str) -> "Index":
         return Index(self, name)
@@ -142,11 +149,13 @@ class Index:
     def __init__(self, client: Client, name: str):
         self.client, self.name = client, name
 
-    def create(self, *, dense: str = "flat", model: str | None = None, exist_ok: bool = False) -> dict:
+    def create(self, *, dense: str = "flat", model: str | None = None, exist_ok: bool = False,
+               sparse_model: str | None = None) -> dict:
         """Create the index bound to the served model; with `exist_ok`, an existing one is fine."""
         from .errors import ConflictError
         try:
-            return self.client.request("POST", "/v1/indexes", {"name": self.name, "dense": dense, "model": model})
+            return self.client.request("POST", "/v1/indexes", {"name": self.name, "dense": dense, "model": model,
+                                                           "sparse_model": sparse_model})
         except ConflictError as exc:
             if exist_ok and exc.code == "index_exists":
                 return self.info()
@@ -168,8 +177,9 @@ class Index:
         return self.client.request("DELETE", f"/v1/indexes/{self.name}")
 
     def search(self, query: str, *, top_k: int = 10, mode: str = "dense", filters: dict | None = None,
-               fusion: str | None = None, rerank: bool | str | dict | None = None) -> list[dict]:
+               fusion: str | None = None, rerank: bool | str | dict | None = None,
+               prompt_name: str | None = None) -> list[dict]:
         """The best `top_k` hits; `rerank` (True, a model name, or `{"model", "candidates"}`)
         retrieves more candidates and reranks them on the server."""
-        body = _core.search_body(self.name, query, top_k, mode, filters, fusion, rerank)
+        body = _core.search_body(self.name, query, top_k, mode, filters, fusion, rerank, prompt_name)
         return self.client.request("POST", "/v1/search", body)["data"]
