@@ -146,3 +146,27 @@ def test_cli_pair_index_and_a_reindex_that_keeps_the_sparse_model(tmp_path, caps
     assert (m.model, m.sparse_model, m.counts["sparse"]) == ("multilingual-e5-small", "splade-tiny", 40)
     assert main(["index", "create", "bad", "--model", "splade-tiny", *flags]) == 1
     assert "sparse vectors only" in capsys.readouterr().err
+
+
+def test_pair_index_and_prompts_on_postgres(client, corpus, minilm_model, pg_url):
+    """The same pair index in PostgreSQL + pgvector answers as the local one (SPLADE's weights as
+    a sparsevec), and its manifest row records the pair and the prompts."""
+    c, splade = client
+    cfg = ServerConfig.of(model="all-MiniLM-L6-v2", generate_model="none", index_url=pg_url)
+    with TestClient(build_app(cfg, model=[minilm_model, splade])) as pg:
+        assert pg.post("/v1/indexes", json={"name": "pair", "model": "all-MiniLM-L6-v2",
+                                            "sparse_model": "splade-tiny"}).status_code == 201
+        body = [{"id": title, "text": text} for title, text, _ in corpus[:60]]
+        assert pg.post("/v1/indexes/pair/documents", json={"documents": body}).status_code == 200
+        m = pg.app.state.embedserve.indexes.store.manifest("pair")
+        assert (m.sparse_model, m.sparse_fingerprint) == ("splade-tiny", splade.spec.fingerprint)
+        assert m.prompts == {"query": "", "passage": ""}
+        for title, _, query in corpus[:5]:
+            got = pg.post("/v1/search", json={"index": "pair", "query": query, "mode": "sparse", "top_k": 3}).json()
+            assert got["sparse_model"] == "splade-tiny" and got["data"], got
+            top = got["data"][0]
+            q, _ = splade.embed(splade.tokenize([query]), {"sparse"})
+            doc = next(b["text"] for b in body if b["id"] == top["id"])
+            dv, _ = splade.embed([splade.truncate(splade.tokenize([doc])[0])], {"sparse"})
+            _, qi, di = np.intersect1d(q[0].sparse[0], dv[0].sparse[0], return_indices=True)
+            assert top["score"] == pytest.approx(float(q[0].sparse[1][qi] @ dv[0].sparse[1][di]), rel=1e-4)
