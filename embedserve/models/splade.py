@@ -9,7 +9,9 @@ maps every token to the whole vocabulary, so a 4,096-token batch would hold 4,09
 logits (500 MB) at once, and as many again for the activation. The head runs on `CHUNK` tokens at
 a time and folds each chunk into a running per-sequence maximum (`scatter_reduce_` amax), so the
 peak is CHUNK × V × 4 B × 2 (logits and their activation) + sequences × V × 4 B: 62.5 MB + 31 MB
-for 256 sequences of a 30,522-word vocabulary, whatever the batch's token count.
+for 256 sequences of a 30,522-word vocabulary, whatever the batch's token count. Measured (the
+resident-set high-water mark over the loaded model, splade-tiny, fp32): a 4,010-token batch of 41
+Wikipedia summaries peaks 120 MB higher in chunks, 921 MB higher with the whole batch at once.
 """
 
 from __future__ import annotations
