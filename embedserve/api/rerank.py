@@ -186,21 +186,25 @@ def build_router(state: AppState) -> APIRouter:
     router = APIRouter()
     max_docs = state.config.http.max_client_batch_size
 
-    async def rerank_v1(request: Request, body: RerankRequest):
+    async def ranked(request: Request, body, rank_fields: list[str] | None, version: str):
+        """The Cohere / Jina answer: every document scored, best first, `top_n` kept."""
         engine = state.require_reranker(body.model)
         query = check_query(body.query)
-        if body.max_chunks_per_doc is not None:
-            raise UnsupportedError("`max_chunks_per_doc` is not supported: documents are cut to fit the model "
-                                   "(set `max_tokens_per_doc` to cut them shorter); omit it",
-                                   param="max_chunks_per_doc")
-        texts = document_texts(body.documents, body.rank_fields, max_docs)
+        texts = document_texts(body.documents, rank_fields, max_docs)
         top_n = _positive(body.top_n, "top_n")
         scored = await score_documents(state, request, engine, query, texts, raw=body.raw_scores,
                                        max_doc_tokens=_positive(body.max_tokens_per_doc, "max_tokens_per_doc"),
                                        scoring=body.scoring, weights=body.weights)
         if scored is None:
             return Response(status_code=499)
-        return _rerank_body(scored, _ranked(scored.scores, top_n), body.documents, body.return_documents, "1")
+        return _rerank_body(scored, _ranked(scored.scores, top_n), body.documents, body.return_documents, version)
+
+    async def rerank_v1(request: Request, body: RerankRequest):
+        if body.max_chunks_per_doc is not None:
+            raise UnsupportedError("`max_chunks_per_doc` is not supported: documents are cut to fit the model "
+                                   "(set `max_tokens_per_doc` to cut them shorter); omit it",
+                                   param="max_chunks_per_doc")
+        return await ranked(request, body, body.rank_fields, "1")
 
     @router.post("/v1/rerank", **route_doc(RerankRequest, 404, ok=RerankResponse))
     async def rerank(request: Request):
@@ -239,18 +243,9 @@ def build_router(state: AppState) -> APIRouter:
     async def rerank_v2(request: Request):
         """Cohere v2's rerank."""
         body = await parse_body(request, RerankRequestV2)
-        engine = state.require_reranker(body.model)
-        query = check_query(body.query)
         if body.relevant_spans is not None:
             raise UnsupportedError("`relevant_spans` is not supported; omit it", param="relevant_spans")
-        texts = document_texts(body.documents, None, max_docs)
-        top_n = _positive(body.top_n, "top_n")
-        scored = await score_documents(state, request, engine, query, texts, raw=body.raw_scores,
-                                       max_doc_tokens=_positive(body.max_tokens_per_doc, "max_tokens_per_doc"),
-                                       scoring=body.scoring, weights=body.weights)
-        if scored is None:
-            return Response(status_code=499)
-        return _rerank_body(scored, _ranked(scored.scores, top_n), body.documents, body.return_documents, "2")
+        return await ranked(request, body, None, "2")
 
     async def score(request: Request):
         body = await parse_body(request, ScoreRequest)
