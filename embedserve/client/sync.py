@@ -83,15 +83,10 @@ class Client:
 
         def send(rng):
             body = _core.embed_body(texts[rng[0]:rng[1]], model, input_type, embedding_types, truncate,
-                                        {"prompt_name": prompt_name, "truncation_direction": truncation_direction})
+                                    {"prompt_name": prompt_name, "truncation_direction": truncation_direction})
             return rng[0], self.request("POST", "/v1/embeddings", body)
 
-        if len(ranges) == 1:
-            parts = [send(ranges[0])]
-        else:
-            with ThreadPoolExecutor(min(self.max_concurrency, len(ranges))) as pool:
-                parts = list(pool.map(send, ranges))
-        return _core.parse_embeddings(parts, len(texts))
+        return _core.parse_embeddings(self._send_all(send, ranges), len(texts))
 
     def rerank(self, query: str, documents: list, *, model: str | None = None, top_n: int | None = None,
                return_documents: bool = False, raw_scores: bool = False, **extra) -> list[dict]:
@@ -105,12 +100,14 @@ class Client:
             body = _core.rerank_body(query, documents[rng[0]:rng[1]], model, raw_scores, extra)
             return rng[0], self.request("POST", "/v1/rerank", body)
 
+        return _core.merge_rerank(self._send_all(send, ranges), documents, top_n, return_documents)
+
+    def _send_all(self, send, ranges: list[tuple[int, int]]) -> list:
+        """`send` over every range, with bounded concurrency when there are several."""
         if len(ranges) == 1:
-            parts = [send(ranges[0])]
-        else:
-            with ThreadPoolExecutor(min(self.max_concurrency, len(ranges))) as pool:
-                parts = list(pool.map(send, ranges))
-        return _core.merge_rerank(parts, documents, top_n, return_documents)
+            return [send(ranges[0])]
+        with ThreadPoolExecutor(min(self.max_concurrency, len(ranges))) as pool:
+            return list(pool.map(send, ranges))
 
     def tokenize(self, text: str, *, model: str | None = None, **fields) -> dict:
         """The served model's tokens of `text` (POST /tokenize): `{tokens, count, max_model_len, ...}`,
