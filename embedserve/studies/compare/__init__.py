@@ -13,6 +13,11 @@ builds them once); a peer that is not installed is reported as such, never estim
               `--dtype auto` picks; the peers: bf16 where the CPU has fast bf16, else fp32, run
               once); 1 text per request at 8 and 32 concurrent clients, 32 texts per request at
               8; a Poisson sweep to saturation for the best precisions
+  rerank      ms-marco-MiniLM-L-12-v2 (the bundled reranker, converted once): embedserve and
+              infinity-emb served (one `POST /v1/rerank` per query with its 100 documents, 1 and 4
+              concurrent clients), sentence-transformers' CrossEncoder and our model in process;
+              20 queries × 100 Wikipedia summaries of mixed length; fp32, and bf16 where fast;
+              our scores checked against CrossEncoder's
   generation  SmolLM2-135M-Instruct in the decoder's best precision on this machine (bf16 where
               the CPU has fast bf16, else fp32) on every side: embedserve vs vLLM (CPU) vs HF
               static batching at 1, 16 and 64 concurrent requests, 128-token prompts, outputs
@@ -24,10 +29,13 @@ builds them once); a peer that is not installed is reported as such, never estim
               encoder in process and the matmul rate are measured right after our served runs of
               the same precision (this machine's speed moves by 10-15 % within minutes)
 
-    python -m embedserve.studies.compare            # what `make bench` runs (about 55 minutes on 2 AVX2 cores)
+    python -m embedserve.studies.compare            # what `make bench` runs (about 55 minutes on 2 AVX2 cores,
+                                                    # before rerank, which adds 17-23: fp32, and bf16 where fast)
+    python -m embedserve.studies.compare --only rerank   # that section alone, merged into the
+                                                         # existing result and BENCHMARKS.md
 
 One module per part: peers (the servers and the load generator that drives them), embeddings,
-generation, ceiling, report (the markdown); this one runs them and writes the results.
+rerank, generation, ceiling, report (the markdown); this one runs them and writes the results.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ from .ceiling import bench_ceiling
 from .embeddings import EMBED_WORKLOADS, bench_embeddings, corpus
 from .generation import GEN_SHAPES, bench_generation
 from .peers import EMBED_MODELS, GEN_MODEL, RESULTS, ROOT, best_dtype, best_of, drive, log, ours, write_jsonl
-from .report import markdown
+from .rerank import bench_rerank
+from .report import markdown, rerank_markdown
 
 # what the other studies and the tests use, by the name of the study
 __all__ = ["EMBED_MODELS", "EMBED_WORKLOADS", "GEN_MODEL", "GEN_SHAPES", "RESULTS", "ROOT", "best_dtype", "best_of",
@@ -61,11 +70,29 @@ def update_benchmarks_md(md: str) -> None:
         path.write_text(text)
 
 
+def _merge_rerank(out: Path, rerank: dict) -> int:
+    """`--only rerank`: the section replaces its old self in `out` (the other sections kept as they
+    were run, each table's first line says when and where), then the markdown and BENCHMARKS.md."""
+    res = json.loads(out.read_text()) if out.exists() else {}
+    res["rerank"] = rerank
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    full = all(k in res for k in ("embeddings", "generation", "ceiling"))
+    md = markdown(res) if full else "\n".join(rerank_markdown(rerank))
+    out.with_suffix(".md").write_text(md + "\n")
+    if full:
+        update_benchmarks_md(md)
+    print(md)
+    log(f"rerank done in {rerank['run']['minutes']:.1f} minutes; merged into {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m embedserve.studies.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=("embeddings", "generation"), default=None)
+    ap.add_argument("--only", choices=("embeddings", "rerank", "generation"), default=None,
+                    help="run one section; `rerank` replaces that section of --out (kept otherwise) and "
+                         "rewrites the markdown and BENCHMARKS.md")
     ap.add_argument("--out", default=str(RESULTS / "compare.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("EMBEDSERVE_THREADS", str(os.cpu_count() or 1))
@@ -79,6 +106,18 @@ def main(argv=None) -> int:
     if args.only in (None, "embeddings"):
         log("embeddings")
         res["embeddings"] = bench_embeddings(args.runs, work)
+    if args.only in (None, "rerank"):
+        log("rerank")
+        t1 = time.time()
+        res["rerank"] = bench_rerank(args.runs, work)
+        # its own first line: `--only rerank` merges it into a result of another day (or CPU)
+        res["rerank"]["run"] = {"command": "make bench" if args.only is None else
+                                "python -m embedserve.studies.compare --only rerank"
+                                + (f" --runs {args.runs}" if args.runs != 3 else ""),
+                                "date": res["date"], "runs": args.runs, "machine": res["machine"],
+                                "cpu_flags": res["cpu_flags"], "minutes": (time.time() - t1) / 60}
+        if args.only == "rerank":
+            return _merge_rerank(Path(args.out), res["rerank"])
     if args.only in (None, "generation"):
         log("generation")
         res["generation"] = bench_generation(args.runs, work)

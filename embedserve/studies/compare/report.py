@@ -51,6 +51,8 @@ def markdown(res: dict) -> str:
                 f"{p['rate']}/s → {p['texts_per_s']:.0f} texts/s, p50 {p['p50_ms']:.0f} ms, p99 {p['p99_ms']:.0f} ms"
                 for p in pts))
         lines.append("")
+    if "rerank" in res:
+        lines += rerank_markdown(res["rerank"]) + [""]
     g = res["generation"]
     lines += ["### Generation, SmolLM2-135M-Instruct (output tokens/s; TTFT p50 ms)", "",
               "| precision | concurrency | embedserve | vLLM CPU 0.32 | HF static (same width) | ours/vLLM | ours/HF |",
@@ -93,3 +95,84 @@ def markdown(res: dict) -> str:
               f"{d['achieved_gb_per_s']:.1f} GB/s against {d['copy_gb_per_s']:.1f} GB/s measured copy bandwidth "
               f"({100 * d['fraction']:.0f} %).", ""]
     return "\n".join(lines)
+
+
+def _disturbed(r: dict) -> str:
+    worst = {k: v for k, v in r.get("other_cpu_max", {}).items() if v is not None}
+    if not worst:
+        return ""
+    return (" The most CPU other processes on the machine took during any timed pass: " + ", ".join(
+        f"{100 * v:.0f} % ({k})" for k, v in worst.items()) + " of all cores.")
+
+
+def rerank_markdown(r: dict) -> list[str]:
+    """The reranking section: its own first line (it may come from `--only rerank` on another
+    day or CPU than the rest), pairs/s per system and shape, the ratios, the agreement check."""
+    run, w = r["run"], r["workload"]
+    m = run["machine"]
+    lines = [f"### Reranking, {r['model']} (pairs/s, {w['queries']} queries × {w['documents_per_query']} documents)", "",
+             f"Run {run['date']} with `{run['command']}` on {m.get('cpu_model', m.get('cpu', '?'))}, {m.get('cores')} "
+             f"cores, CPU flags {', '.join(run['cpu_flags'])}; {r['threads']} threads on every side; one full pass "
+             f"before timing, medians of {run['runs']} round{'s' if run['runs'] != 1 else ''}; {run['minutes']:.1f} minutes. "
+             f"One `POST /v1/rerank` per query with its {w['documents_per_query']} documents (`raw_scores`, no "
+             f"documents returned), from 1 and 4 concurrent clients; pairs/s = {w['pairs']:,} pairs / the pass's wall "
+             "time. In process: sentence-transformers `CrossEncoder.predict(pairs, batch_size=32)` and ours "
+             "(`CrossEncoderModel` on each query's pairs in length-sorted 4,096-token batches, as the server's batcher "
+             "forms them). Per precision both servers run side by side, idle while the other is driven, and the six "
+             "passes go round robin (the machine's speed drifts within minutes)." + _disturbed(r), "",
+             f"Workload: {w['source']}. Documents {w['document_chars']['min']}–{w['document_chars']['max']} characters "
+             f"(median {w['document_chars']['median']:.0f}), queries median {w['query_chars_median']:.0f}; pairs "
+             f"{w['pair_tokens']['min']}–{w['pair_tokens']['max']} tokens (median {w['pair_tokens']['median']:.0f}), "
+             f"{w['pair_tokens']['total']:,} in all.", "",
+             "| system | precision | served, 1 client | served, 4 clients | in process |", "|---|---|---|---|---|"]
+    for prec, o in r["ours"].items():
+        lines.append(f"| embedserve | {prec} | {o['1 client']['pairs_per_s']:.0f} | {o['4 clients']['pairs_per_s']:.0f} "
+                     f"| {r['in_process'][prec]['ours']['pairs_per_s']:.0f} |")
+    if "not_run" in r["infinity"]:
+        lines.append(f"| infinity-emb 0.0.78 | — | {r['infinity']['not_run']} | | |")
+    for prec, i in r["infinity"].items():
+        if prec == "not_run":
+            continue
+        if "not_run" in i:
+            lines.append(f"| infinity-emb 0.0.78 | {prec} | {i['not_run'][-300:]} | | |")
+        else:
+            lines.append(f"| infinity-emb 0.0.78 | {prec} | {i['1 client']['pairs_per_s']:.0f} | "
+                         f"{i['4 clients']['pairs_per_s']:.0f} | |")
+    for prec, ip in r["in_process"].items():
+        lines.append(f"| sentence-transformers CrossEncoder (batch 32) | {prec} | | | "
+                     f"{ip['sentence_transformers']['pairs_per_s']:.0f} |")
+    lines.append("")
+    for prec, o in r["ours"].items():
+        ip = r["in_process"][prec]
+        st = ip["sentence_transformers"]["pairs_per_s"]
+        i = r["infinity"].get(prec, {}) if "not_run" not in r["infinity"] else {}
+        parts = []
+        if i and "not_run" not in i:
+            parts.append("ours/infinity " + ", ".join(
+                f"{shape} {_x(o[shape]['pairs_per_s'], i[shape]['pairs_per_s'])}" for shape in ("1 client", "4 clients")))
+        parts.append("ours served/CrossEncoder " + ", ".join(
+            f"{shape} {_x(o[shape]['pairs_per_s'], st)}" for shape in ("1 client", "4 clients")))
+        parts.append(f"ours in process/CrossEncoder {_x(ip['ours']['pairs_per_s'], st)}")
+        parts.append(f"served at 4 clients = {100 * o['4 clients']['pairs_per_s'] / ip['ours']['pairs_per_s']:.0f} % "
+                     "of ours in process")
+        lines.append(f"Ratios, {prec} on every side: " + "; ".join(parts) + ".")
+    lines.append("")
+    for prec, ag in r["agreement"].items():
+        a, b = ag["ours_served_vs_st_logits"], ag["ours_served_sigmoid_vs_st_default"]
+        inf = ag.get("infinity_vs_st_logits")
+        lines.append(f"Agreement, {prec}, on all {w['pairs']:,} pairs: our served logits vs CrossEncoder's (activation "
+                     f"Identity) max |Δ| {a['max_abs_diff']:.2g}, Spearman {a['spearman_all']:.5f} (lowest per query "
+                     f"{a['spearman_min_per_query']:.4f}), same top document in {a['same_top1']} of {w['queries']} "
+                     f"queries; sigmoid of ours vs CrossEncoder's default output "
+                     f"({r['in_process'][prec].get('st_default_activation', '?')}) max |Δ| {b['max_abs_diff']:.2g}"
+                     + (f"; infinity's logits vs CrossEncoder's max |Δ| {inf['max_abs_diff']:.2g}, Spearman "
+                        f"{inf['spearman_all']:.5f}" if inf else "") + ".")
+        ref = {k.split("_vs_")[0]: v for k, v in ag.items() if k.endswith("_vs_st_float32_logits")}
+        if ref:
+            names = {"ours_served": "ours served", "st": "CrossEncoder", "infinity": "infinity"}
+            lines[-1] += (f" Each in {prec} against CrossEncoder's float32 logits: " + "; ".join(
+                f"{names.get(k, k)} max |Δ| {v['max_abs_diff']:.2g}, Spearman {v['spearman_all']:.5f}, same top "
+                f"document in {v['same_top1']}" for k, v in ref.items()) + ".")
+    if r.get("notes"):
+        lines += [""] + [f"{n}" for n in r["notes"]]
+    return lines
