@@ -53,7 +53,8 @@ $(PEERS)/vllm/.ok:
 	touch $@
 bench-peers: $(PEERS)/infinity/.ok $(PEERS)/vllm/.ok
 
-# embedserve vs infinity-emb, sentence-transformers, vLLM (CPU) and HF generate: ~55 min on 2 AVX2 cores;
+# embedserve vs infinity-emb, sentence-transformers, vLLM (CPU) and HF generate, reranking included: ~75 min on
+# 2 AVX2 cores (`python -m embedserve.studies.compare --only rerank`: the reranking alone, ~23 min);
 # writes embedserve/studies/results/compare.{json,md} and the tables in BENCHMARKS.md
 bench: $(STAMP) bench-peers
 	$(BIN)/python -m embedserve.studies.compare
