@@ -34,7 +34,6 @@ def rerank_methods(engine: EmbedEngine) -> list[str]:
     return [m for m in M3_METHODS if all(part in heads for part in m.split("+"))]
 
 
-
 @dataclass
 class AppState:
     """Filled in by the wiring (`embedserve.serve`) as engines come up; read by the routes."""
