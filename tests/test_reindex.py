@@ -105,7 +105,8 @@ def test_reindex_swap_rollback_and_ledger(built, tmp_path, minilm_model, e5_mode
         ix.delete([_wiki_docs()[2].id])
         n_live = ix.counts()["documents"]
 
-    assert writes_since_swap(store, "wiki") == {"written": 2, "texts": 1, "deleted": 1, "model": "all-MiniLM-L6-v2"}
+    assert writes_since_swap(store, "wiki") == {"written": 2, "texts": 1, "deleted": 1, "model": "all-MiniLM-L6-v2",
+                                                "sparse_model": None, "prompts": {"query": "", "passage": ""}}
     with pytest.raises(MigrationError, match="re-embeds them with 'all-MiniLM-L6-v2'") as exc:
         rollback(store, "wiki")                  # a new text needs the old model: refused, nothing moved
     assert exc.value.code == "rollback_needs_model" and store.current("wiki") == "v2"
@@ -346,7 +347,7 @@ def test_cli_errors_name_what_to_change(small, tmp_path):
     rc, err = run("--index", "wiki", "--to-model", "no-such-model")
     assert rc != 0 and "no-such-model" in err and "Traceback" not in err, err
     rc, err = run("--index", "wiki")
-    assert rc == 2 and "--to-model is required" in err, err
+    assert rc == 2 and "--to-model or --prompt is required" in err, err
     rc, err = run("--index", "wiki", "--rollback")
     assert rc != 0 and "Traceback" not in err and "roll" in err.lower(), err
     assert IndexStore(root).current("wiki") == "v1"
