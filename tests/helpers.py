@@ -191,6 +191,15 @@ def wiki_corpus(n: int = 250) -> list[tuple[str, str, str]]:
     return [docs[i] for i in pick]
 
 
+def convert_in_fresh_home(ensure, tmp_path_factory) -> Path:
+    """`ensure(home)` (a bundled model's one-time conversion) in a fresh $EMBEDSERVE_HOME, timed."""
+    home = tmp_path_factory.mktemp("home")
+    t0 = time.monotonic()
+    out = ensure(home)
+    print(f"\nconverted in {time.monotonic() - t0:.2f}s -> {out}")
+    return out
+
+
 def copy_index(built: Path, tmp_path: Path):
     """A copy of the index root `built` under `tmp_path`, as an IndexStore (for tests that change it)."""
     import shutil
