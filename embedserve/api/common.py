@@ -21,6 +21,11 @@ logger = logging.getLogger(__name__)
 
 async def parse_body(request: Request, schema):
     """JSON whatever the Content-Type says (curl's default is form-encoded), then the schema."""
+    return validate_body(await read_json(request), schema)
+
+
+async def read_json(request: Request) -> dict:
+    """The body as a JSON object (a route that picks its schema by the keys reads it once)."""
     raw = await request.body()
     try:
         obj = json.loads(raw)
@@ -28,10 +33,25 @@ async def parse_body(request: Request, schema):
         raise ValidationError(f"request body is not valid JSON ({exc}); send a JSON object") from None
     if not isinstance(obj, dict):
         raise ValidationError(f"request body must be a JSON object, not {type(obj).__name__}")
+    return obj
+
+
+def validate_body(obj: dict, schema):
     try:
         return schema.model_validate(obj)
     except PydanticValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
+
+
+def check_unicode(text: str, where: str, param: str) -> str:
+    """`text` if it is valid Unicode (JSON's `\\ud800` escapes decode to lone surrogates, which
+    no tokenizer takes): a 400 naming `where` otherwise."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(f"{where} contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+                              "send valid Unicode text", param=param) from None
+    return text
 
 
 async def wait_disconnect(request: Request) -> None:

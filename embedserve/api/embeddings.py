@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from ..engine.batch_queue import EmbedRequest
 from ..errors import UnsupportedError, ValidationError
 from .openapi import route_doc
-from .common import embed_via_engine, parse_body
+from .common import check_unicode, embed_via_engine, parse_body
 from .state import AppState
 
 
@@ -103,12 +103,7 @@ def parse_inputs(raw: Any, max_inputs: int) -> tuple[list[str] | None, list[list
             if not t.strip():
                 where = "`input`" if single else f"input {i}"
                 raise ValidationError(f"{where} is an empty string; every input needs text", param="input")
-            try:
-                t.encode("utf-8")
-            except UnicodeEncodeError:
-                where = "`input`" if single else f"input {i}"
-                raise ValidationError(f"{where} contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
-                                      "send valid Unicode text", param="input") from None
+            check_unicode(t, "`input`" if single else f"input {i}", "input")
         return raw, None
     if all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
         return None, [raw]

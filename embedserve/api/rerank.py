@@ -28,10 +28,10 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import UnsupportedError, ValidationError
 from ..models.cross_encoder import DocumentTooLong, QueryTooLong
 from ..models.scoring import M3_DEFAULT_WEIGHTS, m3_score
-from .common import parse_body, through_batcher
+from .common import check_unicode, parse_body, read_json, through_batcher, validate_body
 from .openapi import route_doc
 from .rerank_schemas import (M3_DEFAULT_METHOD, AnyRerankRequest, AnyRerankResponse, RerankRequest, RerankRequestV2,
-                             RerankResponse, ScoreRequest, ScoreResponse, TEIRerankRequest, AnyBody)
+                             RerankResponse, ScoreRequest, ScoreResponse, TEIRerankRequest)
 from .state import AppState, rerank_methods
 
 
@@ -52,19 +52,10 @@ class Scored:
         return u
 
 
-def _text(value: str, where: str, param: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValidationError(f"{where} contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); send "
-                              "valid Unicode text", param=param) from None
-    return value
-
-
 def check_query(query: str, param: str = "query") -> str:
     if not query.strip():
         raise ValidationError(f"`{param}` is blank; send the text to rank the documents against", param=param)
-    return _text(query, f"`{param}`", param)
+    return check_unicode(query, f"`{param}`", param)
 
 
 def document_texts(raw: Any, rank_fields: list[str] | None, limit: int, param: str = "documents") -> list[str]:
@@ -77,7 +68,7 @@ def document_texts(raw: Any, rank_fields: list[str] | None, limit: int, param: s
     texts = []
     for i, d in enumerate(raw):
         if isinstance(d, str):
-            texts.append(_text(d, f"document {i}", param))
+            texts.append(check_unicode(d, f"document {i}", param))
             continue
         if not isinstance(d, dict):
             raise ValidationError(f"document {i} is a {type(d).__name__}; send a string or an object with `text`",
@@ -91,7 +82,7 @@ def document_texts(raw: Any, rank_fields: list[str] | None, limit: int, param: s
         bad = next((f for f in fields if not isinstance(d[f], str)), None)
         if bad is not None:
             raise ValidationError(f"document {i}'s {bad!r} is a {type(d[bad]).__name__}, not a string", param=param)
-        texts.append(_text(d[fields[0]] if len(fields) == 1 else "\n".join(f"{f}: {d[f]}" for f in fields),
+        texts.append(check_unicode(d[fields[0]] if len(fields) == 1 else "\n".join(f"{f}: {d[f]}" for f in fields),
                            f"document {i}", param))
     return texts
 
@@ -102,14 +93,19 @@ def _positive(value: int | None, param: str) -> int | None:
     return value
 
 
-async def score_documents(state: AppState, request: Request | None, engine, query: str, texts: list[str], *,
-                          raw: bool = False, truncate: bool = True, max_doc_tokens: int | None = None,
+async def score_documents(state: AppState, request: Request | None, engine, query: str | list[str], texts: list[str],
+                          *, raw: bool = False, truncate: bool = True, max_doc_tokens: int | None = None,
                           scoring: str | None = None, weights=None, param: str = "documents") -> Scored | None:
-    """Every text's score against `query` through `engine` (a cross-encoder, or a BGE-M3
-    embedder); None if the client went away (its queued pairs never reach the model)."""
+    """Every text's score against `query` (or against its own query: a list as long as `texts`)
+    through `engine` (a cross-encoder, or a BGE-M3 embedder): a cross-encoder's pairs of every
+    query go through its batcher together. None if the client went away (its queued pairs never
+    reach the model)."""
     name = state.name_of(engine)
+    groups: dict[str, list[int]] = {}
+    for i in range(len(texts)):
+        groups.setdefault(query if isinstance(query, str) else query[i], []).append(i)
     if engine.task != "rerank":
-        return await _score_m3(state, request, engine, name, query, texts, scoring, weights, truncate, param)
+        return await _score_groups_m3(state, request, engine, name, groups, texts, scoring, weights, truncate, param)
     if scoring is not None or weights is not None:
         raise UnsupportedError(f"`scoring` and `weights` choose how a BGE-M3 model reranks; {name!r} is a "
                                "cross-encoder: omit them", param="scoring" if scoring is not None else "weights")
@@ -117,17 +113,44 @@ async def score_documents(state: AppState, request: Request | None, engine, quer
     problem = model.label_problem()
     if problem:
         raise UnsupportedError(problem, param="model")
+
+    def build():
+        return [(idx, model.pairs(q, [texts[i] for i in idx], engine.max_input_length, max_doc_tokens, truncate))
+                for q, idx in groups.items()]
     try:
-        pairs = await run_in_threadpool(model.pairs, query, texts, engine.max_input_length, max_doc_tokens, truncate)
+        built = await run_in_threadpool(build)
     except QueryTooLong as exc:
         raise ValidationError(str(exc), param="query", code="context_length_exceeded") from None
     except DocumentTooLong as exc:
         raise ValidationError(str(exc), param=param, code="context_length_exceeded") from None
-    outputs = await through_batcher(state, request, engine, pairs.inputs, {"score"}, pairs.segments)
+    order = [i for idx, _ in built for i in idx]
+    outputs = await through_batcher(state, request, engine, [x for _, p in built for x in p.inputs], {"score"},
+                                    [x for _, p in built for x in p.segments])
     if outputs is None:
         return None
-    scores = [model.relevance(o.score, raw) for o in outputs]
-    return Scored(name, scores, pairs.num_tokens, pairs.truncated, pairs.cut_tokens)
+    scores = [0.0] * len(texts)
+    for i, o in zip(order, outputs):
+        scores[i] = model.relevance(o.score, raw)
+    return Scored(name, scores, sum(p.num_tokens for _, p in built),
+                  sorted(idx[k] for idx, p in built for k in p.truncated), sum(p.cut_tokens for _, p in built))
+
+
+async def _score_groups_m3(state, request, engine, name, groups, texts, scoring, weights, truncate,
+                           param) -> Scored | None:
+    """`_score_m3` for each query's documents (BGE-M3 embeds each query with its own documents)."""
+    total = Scored(name, [0.0] * len(texts))
+    for q, idx in groups.items():
+        part = await _score_m3(state, request, engine, name, q, [texts[i] for i in idx], scoring, weights,
+                               truncate, param)
+        if part is None:
+            return None
+        for k, i in enumerate(idx):
+            total.scores[i] = part.scores[k]
+        total.tokens += part.tokens
+        total.truncated += [idx[k] for k in part.truncated]
+        total.cut_tokens += part.cut_tokens
+    total.truncated.sort()
+    return total
 
 
 async def _score_m3(state, request, engine, name, query, texts, scoring, weights, truncate, param) -> Scored | None:
@@ -215,10 +238,10 @@ def build_router(state: AppState) -> APIRouter:
     async def rerank_any(request: Request):
         """Jina's / Cohere v1's shape; with `texts`, text-embeddings-inference's (TEIRerankRequest ->
         TEIRerankResponse, a list)."""
-        body = await parse_body(request, AnyBody)
-        if "texts" in body.root:
-            return await rerank_tei(request, await parse_body(request, TEIRerankRequest))
-        return await rerank_v1(request, await parse_body(request, RerankRequest))
+        obj = await read_json(request)
+        if "texts" in obj:
+            return await rerank_tei(request, validate_body(obj, TEIRerankRequest))
+        return await rerank_v1(request, validate_body(obj, RerankRequest))
 
     async def rerank_tei(request: Request, body: TEIRerankRequest):
         engine = state.require_reranker(body.model)
@@ -226,7 +249,7 @@ def build_router(state: AppState) -> APIRouter:
         if len(body.texts) > max_docs:
             raise ValidationError(f"`texts` has {len(body.texts)} items; the limit (--max-client-batch-size) is "
                                   f"{max_docs}; split the request", param="texts", code="too_many_inputs")
-        texts = [_text(t, f"text {i}", "texts") for i, t in enumerate(body.texts)]
+        texts = [check_unicode(t, f"text {i}", "texts") for i, t in enumerate(body.texts)]
         scored = await score_documents(state, request, engine, query, texts, raw=body.raw_scores,
                                        truncate=body.truncate, param="texts")
         if scored is None:
@@ -261,26 +284,14 @@ def build_router(state: AppState) -> APIRouter:
                                   param="text_1")
         seconds = document_texts(seconds, None, max_docs, "text_2")
         firsts = [check_query(t, "text_1") for t in firsts]
-        groups: dict[str, list[int]] = {}
-        for i in range(len(seconds)):
-            groups.setdefault(firsts[0] if len(firsts) == 1 else firsts[i], []).append(i)
-        scores = [0.0] * len(seconds)
-        total = Scored(state.name_of(engine), scores)
-        for q, idx in groups.items():
-            part = await score_documents(state, request, engine, q, [seconds[i] for i in idx], raw=body.raw_scores,
-                                         max_doc_tokens=_positive(body.truncate_prompt_tokens,
-                                                                  "truncate_prompt_tokens"), param="text_2")
-            if part is None:
-                return Response(status_code=499)
-            for k, i in enumerate(idx):
-                scores[i] = part.scores[k]
-            total.tokens += part.tokens
-            total.truncated += [idx[k] for k in part.truncated]
-            total.cut_tokens += part.cut_tokens
-        total.truncated.sort()
+        scored = await score_documents(state, request, engine, firsts[0] if len(firsts) == 1 else firsts, seconds,
+                                       raw=body.raw_scores, param="text_2",
+                                       max_doc_tokens=_positive(body.truncate_prompt_tokens, "truncate_prompt_tokens"))
+        if scored is None:
+            return Response(status_code=499)
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": total.model, "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-                "usage": total.usage()}
+                "model": scored.model, "usage": scored.usage(),
+                "data": [{"index": i, "object": "score", "score": x} for i, x in enumerate(scored.scores)]}
 
     doc = route_doc(ScoreRequest, 404, ok=ScoreResponse)
     router.post("/v1/score", **doc)(score)

@@ -139,7 +139,3 @@ class ScoreResponse(BaseModel):
     model: str
     data: list[ScoreData]
     usage: RerankUsage
-
-
-class AnyBody(RootModel[dict]):
-    """Any JSON object: `/rerank` looks at its keys to tell TEI's shape from Jina's / Cohere's."""

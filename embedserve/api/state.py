@@ -21,7 +21,7 @@ from .auth import KeyRing
 
 def can_rerank(engine: EmbedEngine) -> bool:
     """A cross-encoder, or an embedder with a ColBERT head (BGE-M3's late interaction)."""
-    return engine.task == "rerank" or "colbert" in engine.embedding_types
+    return bool(rerank_methods(engine))
 
 
 def rerank_methods(engine: EmbedEngine) -> list[str]:
@@ -90,7 +90,7 @@ class AppState:
     def require_embedder(self, requested: str | None = None, what: str = "") -> EmbedEngine:
         """The engine of `requested` (a request's `model`; None: the default), 503 while loading,
         404 naming the served models if it is not one of them."""
-        engine = self._find(requested, what)
+        engine = self.find(requested, what)
         if engine is None or engine.task == "embed":
             if engine is None and self.embedder is None:
                 raise UnsupportedError(f"this server serves no embedding model, only {self._served('rerank')}; "
@@ -104,7 +104,7 @@ class AppState:
         """The engine that reranks for `requested` (None: the first cross-encoder, else the first
         embedder with a ColBERT head): a cross-encoder, or a BGE-M3-style embedder; a 400 naming
         the models that can when `requested` cannot."""
-        engine = self._find(requested)
+        engine = self.find(requested)
         able = {n: e for n, e in self.embedders.items() if can_rerank(e)}
         if engine is None:
             engine = next(iter(self.engines("rerank").values()), None) or next(iter(able.values()), None)
@@ -117,8 +117,9 @@ class AppState:
                                    f"rerank; models served here that can: {names}", param="model")
         return engine
 
-    def _find(self, requested: str | None, what: str = "") -> EmbedEngine | None:
-        """The engine serving `requested` (None: None), 503 while loading, 404 naming the served models."""
+    def find(self, requested: str | None, what: str = "", also: list[str] = ()) -> EmbedEngine | None:
+        """The encoder serving `requested` (None: None), 503 while loading, 404 naming the served
+        models (and `also`, names served otherwise: the decoder)."""
         if not self.ready or not self.embedders:
             raise UnavailableError("model is loading; retry shortly", retry_after=5)
         if requested is None:
@@ -126,7 +127,7 @@ class AppState:
         for name, engine in self.embedders.items():
             if requested in (name, engine.spec.name):
                 return engine
-        served = ", ".join(repr(n) for n in self.embedders)
+        served = ", ".join(repr(n) for n in [*self.embedders, *also])
         raise NotFoundError(f"model {requested!r} is not served here; this server serves {served}{what} "
                             "(GET /v1/models)", param="model")
 

@@ -16,8 +16,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import NotFoundError, UnavailableError, ValidationError
-from .common import parse_body
+from ..errors import ValidationError
+from .common import check_unicode, parse_body
 from .generation_schemas import ChatMessage, message_text
 from .openapi import route_doc
 from .state import AppState
@@ -83,17 +83,10 @@ def _pick(state: AppState, requested: str | None, chat: bool = False):
     gen = state.generator
     if gen is not None and (requested == gen.name or (requested is None and (chat or not state.embedders))):
         return gen.name, gen
-    if not state.ready or not state.embedders:
-        raise UnavailableError("model is loading; retry shortly", retry_after=5)
-    if requested is None:
+    engine = state.find(requested, also=[gen.name] if gen is not None else [])
+    if engine is None:
         engine = state.embedder or next(iter(state.embedders.values()))
-        return state.name_of(engine), engine
-    for name, engine in state.embedders.items():
-        if requested in (name, engine.spec.name):
-            return name, engine
-    served = [*state.embedders, *([gen.name] if gen is not None else [])]
-    raise NotFoundError(f"model {requested!r} is not served here; this server serves "
-                        f"{', '.join(map(repr, served))} (GET /v1/models)", param="model")
+    return state.name_of(engine), engine
 
 
 def _encoder_tokens(engine, body: TokenizeRequest) -> dict:
@@ -149,11 +142,7 @@ def build_router(state: AppState) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise ValidationError("send exactly one of `prompt` (text) and `messages` (a chat)", param="prompt")
         if body.prompt is not None:
-            try:
-                body.prompt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValidationError("`prompt` contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
-                                      "send valid Unicode text", param="prompt") from None
+            check_unicode(body.prompt, "`prompt`", "prompt")
         name, target = _pick(state, body.model, chat=body.messages is not None)
         if target is state.generator:
             if body.input_type is not None:

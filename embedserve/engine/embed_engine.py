@@ -87,7 +87,6 @@ class EmbedEngine(EngineThread):
         """The prompt a request's text gets: `prompt_name`, else `input_type` (query | passage),
         else `--default-prompt-name` where this model has it, else the model's own default.
         ValidationError naming the prompts when the model has no such prompt."""
-        from ..errors import ValidationError
         if prompt_name is not None and input_type is not None and prompt_name != input_type:
             raise ValidationError(f"`prompt_name` {prompt_name!r} and `input_type` {input_type!r} disagree; send one",
                                   param="prompt_name")
