@@ -228,6 +228,10 @@ class DecodeConfig(Section):
                                            above=0, below=1)
     kv_cache_dtype: str = opt("auto", "auto | float32 | bfloat16 | float16 | fp8 (fp8 only on GPUs with "
                                       "compute capability >= 8.9)", choices=KV_CACHE_DTYPES)
+    decode_weights: str = opt("auto", "the decoder's linear weights: native (in --dtype), int8 (weight-only, per "
+                                      "output channel; CPU), auto (int8 on a CPU where the model passes the accuracy "
+                                      "gate of embedserve.models.int8_gate, else native)",
+                              choices=("auto", "native", "int8"))
     max_model_len: int | None = opt(None, "prompt + output tokens per request (default: the model's, at most 8192)",
                                     lo=1, hi=1 << 20)
     max_num_batched_tokens: int | None = opt(None, "token budget of one decode step (default 512 on a CPU, 8192 "

@@ -109,14 +109,47 @@ def load_generator(cfg: ServerConfig, name: str, path: Path, plan: KVCachePlan) 
     from transformers import AutoTokenizer
 
     dtype = torch.bfloat16 if plan.dtype == "bfloat16" else torch.float32
-    model = LlamaModel.from_dir(path, dtype=dtype, device=cfg.compute.device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model, gate = load_decoder(path, dtype, cfg.compute.device, cfg.decode.decode_weights, tokenizer)
     # the section with the plan's model length (the model's own where no --max-model-len was given)
     engine = DecodeEngine(model, tokenizer, replace(cfg.decode, max_model_len=plan.max_model_len),
                           num_blocks=plan.num_blocks)
-    logger.info("generation model %s loaded (%s, %d KV blocks of %d tokens)", name, plan.dtype,
-                plan.num_blocks, cfg.decode.block_size)
-    return Generator(name=name, engine=engine, tokenizer=tokenizer)
+    logger.info("generation model %s loaded (%s, %s linear weights, %d KV blocks of %d tokens)", name, plan.dtype,
+                model.linear_weights, plan.num_blocks, cfg.decode.block_size)
+    return Generator(name=name, engine=engine, tokenizer=tokenizer, gate=gate)
+
+
+def load_decoder(path: Path, dtype: torch.dtype, device: str, decode_weights: str, tokenizer):
+    """(the LlamaModel, the int8 gate's report or None) for `--decode-weights`: native and int8 as
+    asked (int8 where it cannot run is a ConfigError); auto: int8 where it runs here and the model
+    passes the gate (its report cached per model), else native."""
+    from dataclasses import asdict
+
+    from .models import int8_gate
+    from .models.decode_int8 import int8_available
+    from .models.llama import LlamaConfig, load_weights
+    from .models.model_dir import fingerprint_dir
+    from .paths import cache_dir
+
+    why = int8_available(torch.device(device).type)
+    if decode_weights == "int8" and why is not None:
+        raise ConfigError(f"--decode-weights int8: {why}; use --decode-weights native")
+    if decode_weights == "native" or (decode_weights == "auto" and why is not None):
+        return LlamaModel.from_dir(path, dtype=dtype, device=device), None
+    cfg, weights = LlamaConfig.from_dir(path), load_weights(path)
+    int8 = LlamaModel(cfg, weights, dtype, device, linear_weights="int8")
+    if decode_weights == "int8":
+        return int8, None
+    report = int8_gate.cached_gate(int8_gate.gate_path(cache_dir(), fingerprint_dir(path), dtype),
+                                   lambda: LlamaModel(cfg, weights, dtype, device), int8, tokenizer)
+    logger.info("decode weights auto: int8 gate %s (%s): %d/%d greedy continuations equal, %d part at near-ties "
+                "(worst native gap %.3f), held-out perplexity %.3f vs %.3f native (x%.4f)",
+                "passed" if report.passed else "failed", report.reason, report.equal, report.prompts, report.ties,
+                report.worst_gap, report.ppl_int8, report.ppl_native, report.ppl_ratio)
+    if report.passed:
+        return int8, asdict(report)
+    del int8
+    return LlamaModel(cfg, weights, dtype, device), asdict(report)
 
 
 class DrainingServer(uvicorn.Server):

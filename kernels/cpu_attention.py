@@ -51,6 +51,7 @@ _ROPE_ARGS = ([ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p] + [ctype
 _SILU_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
 _ADD_LN_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
 _GEMV_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+_GEMV_W8_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_float, ctypes.c_int]
@@ -149,6 +150,9 @@ def _load(mode: str = "auto") -> tuple[ctypes.CDLL | None, str | None]:
             fn = getattr(lib, f"{kernel}_{suffix}")
             fn.argtypes, fn.restype = args, ctypes.c_int
     lib.gemv_f32.argtypes, lib.gemv_f32.restype = _GEMV_ARGS, ctypes.c_int
+    lib.gemv_w8_f32.argtypes, lib.gemv_w8_f32.restype = _GEMV_W8_ARGS, ctypes.c_int
+    if lib.w8_layout() != W8_ROWS * 100 + W8_COLS:
+        return None, f"{SOURCE.name}'s int8 layout is not the one pack_w8 packs"
     return lib, None
 
 
@@ -344,3 +348,50 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if rc != 0:
         raise RuntimeError(f"cpu gemv failed (code {rc})")
     return y
+
+
+W8_ROWS, W8_COLS = 8, 16           # the blocked int8 layout gemv_w8_f32 reads (cpu_paged_attention.c)
+
+
+def pack_w8(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 (N, K) row-major -> the kernel's blocked layout [ceil(N/8)][Kp/16][8][16] (flattened to
+    (ceil(N/8) * 8, Kp)), zero-padded to whole blocks: Kp = K rounded up to 16."""
+    N, K = qweight.shape
+    Np, Kp = -(-N // W8_ROWS) * W8_ROWS, -(-K // W8_COLS) * W8_COLS
+    padded = torch.zeros(Np, Kp, dtype=torch.int8)
+    padded[:N, :K] = qweight
+    blocked = padded.view(Np // W8_ROWS, W8_ROWS, Kp // W8_COLS, W8_COLS).permute(0, 2, 1, 3)
+    return blocked.contiguous().view(Np, Kp)
+
+
+def unpack_w8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`pack_w8`'s inverse: the row-major (n, k) int8 matrix."""
+    Np, Kp = packed.shape
+    rows = packed.view(Np // W8_ROWS, Kp // W8_COLS, W8_ROWS, W8_COLS).permute(0, 2, 1, 3).reshape(Np, Kp)
+    return rows[:n, :k].contiguous()
+
+
+def gemv_w8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """Weight-only int8: `F.linear(x, q * scale[:, None], bias)` for x (M, K) float32 or bfloat16
+    (computed in float32, returned in x's dtype), `packed` = pack_w8(q) of the int8 (N, K) q, scale
+    (N,) float32. Any M: a block's weights are converted once per call whatever the rows."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are not available: {why}")
+    N, Kp = scale.shape[0], packed.shape[1]
+    if not (x.dim() == 2 and packed.dtype == torch.int8 and packed.is_contiguous() and x.device.type == "cpu"
+            and Kp - W8_COLS < x.shape[1] <= Kp and packed.shape[0] == -(-N // W8_ROWS) * W8_ROWS):
+        raise ValueError("cpu gemv_w8: x (M, K), packed = pack_w8(q) of an int8 q (N, K), scale (N,), on the CPU")
+    xf = x.to(torch.float32)
+    if x.shape[1] != Kp:
+        xf = torch.nn.functional.pad(xf, (0, Kp - x.shape[1]))
+    xf = xf.contiguous()
+    scale = scale.to(torch.float32).contiguous()
+    bias = None if bias is None else bias.to(torch.float32).contiguous()      # held: its pointer is passed
+    y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    rc = lib.gemv_w8_f32(xf.data_ptr(), packed.data_ptr(), scale.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         y.data_ptr(), x.shape[0], N, Kp, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"cpu gemv_w8 failed (code {rc})")
+    return y if x.dtype == torch.float32 else y.to(x.dtype)

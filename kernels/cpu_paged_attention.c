@@ -1,6 +1,7 @@
 /* CPU kernels: paged decode attention, encoder attention over packed sequences, the encoder's
  * residual add + LayerNorm in one pass, the decoder's glue (RMSNorm, RoPE + K/V store,
- * SiLU * up) and a small-batch linear (gemv_f32), in that order. Vectors are of the machine's
+ * SiLU * up), a small-batch linear (gemv_f32), its weight-only int8 twin (gemv_w8_f32) and a whole
+ * decode step's layers in one call (decode_forward_f32), in that order. Vectors are of the machine's
  * width (VW floats: 16 with AVX-512, 8 otherwise); GCC's generic 16-float vectors on an
  * AVX2-only CPU went through the stack.
  *
@@ -508,4 +509,132 @@ int gemv_f32(const float *x, const float *w, const float *b, float *y, int64_t M
         }
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------- weight-only int8 linear
+ * y (M, N) = (x (M, K) q^T) * scale + b, q int8 per output channel (w ≈ q[n] * scale[n]), x and
+ * y float32: the decoder's linears with a quarter of fp32's weight bytes. q is stored blocked,
+ * [N/8][K/16][8 rows][16 columns] (W8_ROWS x W8_COLS; N and K zero-padded to those multiples by
+ * kernels/cpu_attention.pack_w8), so a block of 8 output rows reads one contiguous run of bytes:
+ * read row by row, 8 streams each consumed 8 bytes at a time, the same loop ran at 2.7 GB/s per
+ * core on the AVX2 EPYC (the prefetchers lose them), blocked it streams. One row of x converts
+ * the weights in registers (sign-extending load + convert, then FMA); more rows convert a
+ * block's K-chunk once into a float tile in L1 and reuse it for every row, so the conversion is
+ * paid once per weight whatever M. The scale is applied once per output, after the sum. */
+#define W8_ROWS 8
+#define W8_COLS 16
+#define W8_KC 512      /* K-chunk of a tile: 8 rows x 512 floats = 16 KB */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+static inline vec qld(const int8_t *p) {     /* VW int8 -> floats: one sign-extending load + convert */
+#if VW == 16
+    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
+}
+#else
+typedef int8_t qvec __attribute__((vector_size(VW), aligned(1)));
+static inline vec qld(const int8_t *p) { return __builtin_convertvector(*(const qvec *)p, vec); }
+#endif
+
+int w8_layout(void) { return W8_ROWS * 100 + W8_COLS; }     /* what pack_w8 checks it packs for */
+
+int gemv_w8_f32(const float *x, const int8_t *q, const float *scale, const float *b, float *y, int64_t M,
+                int64_t N, int64_t Kp, int num_threads) {
+    if (M < 1 || N < 1 || Kp < W8_COLS || Kp % W8_COLS) return -1;
+    const int64_t nb = (N + W8_ROWS - 1) / W8_ROWS;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const int64_t n0 = blk * W8_ROWS, rows = N - n0 >= W8_ROWS ? W8_ROWS : N - n0;
+        const int8_t *base = q + blk * W8_ROWS * Kp;
+        float acc[W8_ROWS];
+        if (M == 1) {
+            vec a[W8_ROWS] = {{0}};
+            for (int64_t c = 0; c < Kp; c += W8_COLS) {
+                const int8_t *p = base + c * W8_ROWS;
+                for (int h = 0; h < W8_COLS / VW; h++) {
+                    const vec xv = WLD(x + c + h * VW);
+                    for (int j = 0; j < W8_ROWS; j++) a[j] += qld(p + j * W8_COLS + h * VW) * xv;
+                }
+            }
+            for (int64_t j = 0; j < rows; j++) y[n0 + j] = hsum(a[j]) * scale[n0 + j] + (b ? b[n0 + j] : 0.f);
+            continue;
+        }
+        float tile[W8_ROWS * W8_KC] __attribute__((aligned(64)));
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < rows; j++) y[m * N + n0 + j] = 0.f;
+        for (int64_t k0 = 0; k0 < Kp; k0 += W8_KC) {
+            const int64_t kc = Kp - k0 < W8_KC ? Kp - k0 : W8_KC;
+            for (int64_t c = 0; c < kc; c += W8_COLS) {
+                const int8_t *p = base + (k0 + c) * W8_ROWS;
+                for (int j = 0; j < W8_ROWS; j++)
+                    for (int h = 0; h < W8_COLS / VW; h++)
+                        *(vec *)(tile + j * W8_KC + c + h * VW) = qld(p + j * W8_COLS + h * VW);
+            }
+            for (int64_t m = 0; m < M; m++) {
+                const float *xm = x + m * Kp + k0;
+                vec a[W8_ROWS] = {{0}};
+                for (int64_t k = 0; k < kc; k += VW) {
+                    const vec xv = WLD(xm + k);
+                    for (int j = 0; j < W8_ROWS; j++) a[j] += WLD(tile + j * W8_KC + k) * xv;
+                }
+                for (int j = 0; j < W8_ROWS; j++) acc[j] = hsum(a[j]);
+                for (int64_t j = 0; j < rows; j++) y[m * N + n0 + j] += acc[j];
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < rows; j++)
+                y[m * N + n0 + j] = y[m * N + n0 + j] * scale[n0 + j] + (b ? b[n0 + j] : 0.f);
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- one decode step, all layers
+ * The decoder's forward for a step whose every sequence brings one token (T sequences), float32
+ * activations, in one call: per layer the same kernels as the Python glue path (residual add +
+ * RMSNorm, the qkv linear, RoPE + K/V store, paged attention, o, RMSNorm, gate|up, SiLU * up,
+ * down), in the same order, so the result is that path's to the bit. What it saves is the
+ * interpreter: ~10 ctypes calls, their argument checks and their tensors per layer (~25-40 us
+ * each on the AVX2 EPYC, ~12 ms of a 30 ms SmolLM2 step in int8). Each linear is fp32
+ * row-major (gemv_f32) or int8 blocked (gemv_w8_f32, K a multiple of 16). */
+typedef struct {
+    const void *w;                    /* float (N, K) row-major, or int8 blocked (gemv_w8_f32) */
+    const float *scale, *bias;        /* scale: int8 only; bias or NULL */
+    int64_t n, k, kind;               /* kind 0: fp32, 1: int8 */
+} es_linear;
+
+static int es_linear_run(const es_linear *l, const float *x, float *y, int64_t M, int threads) {
+    if (l->kind == 1) return gemv_w8_f32(x, (const int8_t *)l->w, l->scale, l->bias, y, M, l->n, l->k, threads);
+    return gemv_f32(x, (const float *)l->w, l->bias, y, M, l->n, l->k, threads);
+}
+
+int decode_forward_f32(float *x, float *out, const es_linear *lins, const float *const *norms,
+                       float *const *k_caches, float *const *v_caches, const float *cos_t, const float *sin_t,
+                       const int64_t *slots, int64_t num_slots, const int32_t *block_tables, int64_t bt_stride,
+                       const int32_t *context_lens, int64_t T, int64_t H, int64_t I, int64_t L, int64_t nh,
+                       int64_t kvh, int64_t hd, int64_t block_size, float eps, float scale, float *scratch,
+                       int threads) {
+    const int64_t qkv_w = (nh + 2 * kvh) * hd;
+    float *h = scratch, *qkv = h + T * H, *q = qkv + T * qkv_w, *o = q + T * nh * hd, *gu = o + T * nh * hd,
+          *act = gu + T * 2 * I, *res = act + T * I;
+    const float *r = NULL;
+    int rc = 0;
+    for (int64_t l = 0; l < L && !rc; l++) {
+        const es_linear *lin = lins + 4 * l;
+        if ((rc = rms_norm_f32(x, r, norms[2 * l], h, T, H, eps, threads))) break;
+        if ((rc = es_linear_run(lin, h, qkv, T, threads))) break;
+        if ((rc = rope_store_f32(qkv, cos_t, sin_t, k_caches[l], v_caches[l], slots, num_slots, q, T, nh, kvh, hd,
+                                 threads))) break;
+        if ((rc = paged_decode_attention_f32(q, k_caches[l], v_caches[l], block_tables, bt_stride, context_lens, o,
+                                             T, nh, kvh, hd, block_size, scale, threads))) break;
+        if ((rc = es_linear_run(lin + 1, o, res, T, threads))) break;
+        if ((rc = rms_norm_f32(x, res, norms[2 * l + 1], h, T, H, eps, threads))) break;
+        if ((rc = es_linear_run(lin + 2, h, gu, T, threads))) break;
+        if ((rc = silu_mul_f32(gu, act, T, I, threads))) break;
+        if ((rc = es_linear_run(lin + 3, act, res, T, threads))) break;
+        r = res;
+    }
+    if (!rc) rc = rms_norm_f32(x, r, norms[2 * L], out, T, H, eps, threads);
+    return rc;
 }

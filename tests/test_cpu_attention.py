@@ -389,12 +389,14 @@ def test_the_decoder_with_gemv_equals_its_packed_matmul_path(monkeypatch):
     calls = []
     real = cpu_attention.gemv
     monkeypatch.setattr(cpu_attention, "gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    (fast, kv_fast) = _prefill_then_decode(model, torch.float32)
+    with compute.override(fused_decode=False):             # the per-op path (the one-call step: test_decode_int8)
+        (fast, kv_fast) = _prefill_then_decode(model, torch.float32)
     assert calls and set(calls) == {2}                          # the decode steps' rows only, 4 linears x 30 layers x 5
     assert len(calls) == 5 * 4 * model.cfg.num_hidden_layers
     monkeypatch.setattr(linear, "GEMV_MAX_ROWS", 0)
     calls.clear()
-    (ref, kv_ref) = _prefill_then_decode(model, torch.float32)
+    with compute.override(fused_decode=False):
+        (ref, kv_ref) = _prefill_then_decode(model, torch.float32)
     assert not calls
     for a, b in zip(fast, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -133,8 +133,14 @@ def build_router(state: AppState) -> APIRouter:
             data.append(row)
         if state.generator is not None:
             g = state.generator
-            data.append({"id": g.name, "object": "model", "created": state.created, "owned_by": "embedserve",
-                         "max_model_len": g.max_model_len, "task": "generate"})
+            model = g.engine.model
+            row = {"id": g.name, "object": "model", "created": state.created, "owned_by": "embedserve",
+                   "max_model_len": g.max_model_len, "task": "generate",
+                   "dtype": str(model.dtype).removeprefix("torch."),
+                   "decode_weights": getattr(model, "linear_weights", "native")}
+            if g.gate is not None:
+                row["int8_gate"] = {k: g.gate[k] for k in ("passed", "reason", "ppl_ratio", "equal", "ties", "prompts")}
+            data.append(row)
         return {"object": "list", "data": data}
 
     return router

@@ -18,6 +18,7 @@ class Generator:
     name: str
     engine: DecodeEngine
     tokenizer: Any
+    gate: dict | None = None        # the int8 accuracy gate's report where --decode-weights auto ran it
 
     @property
     def max_model_len(self) -> int:

@@ -22,9 +22,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kernels import cpu_attention
+from kernels import compute, cpu_attention, cpu_decode
+from kernels.cpu_decode import DecodeLayers
 
 from .attention_dispatch import AttentionMetadata, paged_attention, store_kv
+from .decode_int8 import WeightInt8Linear, int8_available
 from .linear import GEMV_MAX_ROWS, Linear, small_rows_kernel
 
 logger = logging.getLogger(__name__)
@@ -103,12 +105,34 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return inv.float()
 
 
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's *.safetensors files (never a pickle)."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights (embedserve never unpickles weights)")
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
 class LlamaModel:
     """Weights as plain tensors; `forward` runs one packed step."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", linear_weights: str = "native"):
+        """`linear_weights`: "native" (the linears in `dtype`) or "int8" (weight-only int8 per
+        output channel, `decode_int8`; a CPU path)."""
+        if linear_weights not in ("native", "int8"):
+            raise ValueError(f"linear_weights {linear_weights!r}: choose native or int8")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.linear_weights = linear_weights
+        self._fused_memo: tuple | None = None          # (the KV cache pool, its DecodeLayers or None)
+        if linear_weights == "int8":
+            why = int8_available(self.device.type)
+            if why is not None:
+                raise ValueError(why)
 
         def w(name):
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
@@ -121,9 +145,15 @@ class LlamaModel:
         copy_bytes = sum(t.numel() for k, t in weights.items() if (k.startswith("model.layers.")
                          and k.endswith("_proj.weight")) or (k == "lm_head.weight" and not self.tied)
                          ) * torch.empty((), dtype=dtype).element_size()
-        small = copy_bytes <= GEMV_COPY_LIMIT
+        small = copy_bytes <= GEMV_COPY_LIMIT and linear_weights == "native"
+
+        def linear(weight, bias=None, small_rows=small):
+            if linear_weights == "int8":
+                return WeightInt8Linear(weight, bias)
+            return Linear(weight, bias, small_rows=small_rows)
+
         # the tied head packs its own copy of the embedding matrix (the lookup needs it row-major)
-        self.lm_head = Linear(self.embed if self.tied else w("lm_head.weight"), small_rows=self.tied or small)
+        self.lm_head = linear(self.embed if self.tied else w("lm_head.weight"), small_rows=self.tied or small)
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_hidden_layers):
@@ -132,20 +162,23 @@ class LlamaModel:
                 "in_norm": w(p + "input_layernorm.weight"),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
                 # q, k, v as one matmul; gate and up as one matmul
-                "wqkv": Linear(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                "wqkv": linear(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
                                           w(p + "self_attn.v_proj.weight")]),
                                torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                               if p + "self_attn.q_proj.bias" in weights else None, small_rows=small),
-                "wo": Linear(w(p + "self_attn.o_proj.weight"), small_rows=small),
-                "wgu": Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]), small_rows=small),
-                "wd": Linear(w(p + "mlp.down_proj.weight"), small_rows=small),
+                               if p + "self_attn.q_proj.bias" in weights else None),
+                "wo": linear(w(p + "self_attn.o_proj.weight")),
+                "wgu": linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                "wd": linear(w(p + "mlp.down_proj.weight")),
             })
         self.inv_freq = rope_inv_freq(cfg).to(self.device)
         extra = sum(v.extra_bytes() for layer in self.layers for v in layer.values() if isinstance(v, Linear))
         if not self.tied:
             extra += self.lm_head.extra_bytes()
         why = small_rows_kernel(dtype, self.device.type)
-        if why is None and small:
+        if linear_weights == "int8":
+            logger.info("decoder: weight-only int8 linears (%.0f MB read per step, activations in %s)",
+                        self.weight_bytes_per_step() / 2**20, dtype)
+        elif why is None and small:
             logger.info("decoder: steps of up to %d sequences take the row-major GEMV kernel (%.0f MB of "
                         "row-major weights kept beside the packed ones)", GEMV_MAX_ROWS, extra / 2**20)
         else:
@@ -153,15 +186,18 @@ class LlamaModel:
                 f"the row-major copy would be {copy_bytes / 2**20:.0f} MB, over {GEMV_COPY_LIMIT / 2**20:.0f} MB"))
 
     @classmethod
-    def from_dir(cls, path: Path, dtype: torch.dtype = torch.float32, device="cpu") -> "LlamaModel":
-        path = Path(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path} has no *.safetensors weights (embedserve never unpickles weights)")
-        weights = {}
-        for f in files:
-            weights.update(load_file(str(f)))
-        return cls(LlamaConfig.from_dir(path), weights, dtype, device)
+    def from_dir(cls, path: Path, dtype: torch.dtype = torch.float32, device="cpu",
+                 linear_weights: str = "native") -> "LlamaModel":
+        return cls(LlamaConfig.from_dir(path), load_weights(path), dtype, device, linear_weights)
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of linear weights one decode step reads (every layer's and the head's)."""
+        def nbytes(lin):
+            if isinstance(lin, WeightInt8Linear):
+                return lin.weight_bytes()
+            return sum(t.numel() * t.element_size() for t in lin.tensors()[:1])
+        return sum(nbytes(v) for layer in self.layers for k, v in layer.items() if k.startswith("w")) \
+            + nbytes(self.lm_head)
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.norm.numel() + (0 if self.tied else sum(t.numel() for t in self.lm_head.tensors()))
@@ -191,6 +227,10 @@ class LlamaModel:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]               # (T, hd/2)
         x = self.embed[input_ids]                                                 # (T, H)
         if cpu_attention.decoder_glue_supports(x, kv_caches[0][0]):
+            fused = self._fused(kv_caches, meta)
+            if fused is not None:
+                return fused.forward(x, freqs.cos(), freqs.sin(), meta.slot_mapping, meta.block_tables,
+                                     meta.context_lens)
             return self._forward_glue(x, freqs, kv_caches, meta)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]                   # (T, 1, hd)
@@ -210,6 +250,38 @@ class LlamaModel:
             gate, up = layer["wgu"](h).chunk(2, dim=-1)                           # (T, I) each
             x = x + layer["wd"](F.silu(gate) * up)
         return self._rms(x, self.norm)
+
+    def _fused(self, kv_caches, meta: AttentionMetadata) -> DecodeLayers | None:
+        """The one-call step (`kernels.cpu_decode`) where it takes this step: float32, decodes
+        only, every linear row-major fp32 (at most GEMV_MAX_ROWS rows) or int8; built once per
+        KV cache pool and kept."""
+        T = len(meta.context_lens_list)
+        if (self.dtype != torch.float32 or meta.num_decodes != T or not compute.current().fused_decode
+                or (self.linear_weights == "native" and T > GEMV_MAX_ROWS)):
+            return None
+        memo = self._fused_memo
+        if memo is not None and memo[0] is kv_caches:
+            return memo[1]
+        lins, keep = [], []
+        for layer in self.layers:
+            for name in ("wqkv", "wo", "wgu", "wd"):
+                lin = layer[name]
+                if isinstance(lin, WeightInt8Linear):
+                    d = cpu_decode.linear_descriptor(None, lin.bias, lin.packed, lin.scale, lin.out_features)
+                else:
+                    d = cpu_decode.linear_descriptor(lin.rows_weight, lin.bias)
+                if d is None:
+                    self._fused_memo = (kv_caches, None)
+                    return None
+                lins.append(d)
+                keep.append(lin)
+        norms = [t.float().contiguous() for layer in self.layers for t in (layer["in_norm"], layer["post_norm"])]
+        fused = cpu_decode.DecodeLayers(lins, norms + [self.norm.float().contiguous()], kv_caches,
+                                        self.cfg.hidden_size, self.cfg.intermediate_size,
+                                        self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
+                                        self.cfg.head_dim, self.cfg.rms_norm_eps, keep)
+        self._fused_memo = (kv_caches, fused)
+        return fused
 
     def _forward_glue(self, x: torch.Tensor, freqs: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""One C call for a whole decode step's layers (`decode_forward_f32` in cpu_paged_attention.c):
+float32 activations, every sequence bringing one token, each linear fp32 row-major (`gemv`) or
+int8 blocked (`gemv_w8`). The same kernels in the same order as the per-op glue path
+(`LlamaModel._forward_glue`), so the same numbers; what goes is the interpreter between them.
+
+`DecodeLayers` holds the per-layer descriptors (pointers into tensors the model keeps alive)
+built once at load; `forward` takes the step's tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import cpu_attention
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int64)]
+
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+# x, out, linears, norms, k caches, v caches, cos, sin, slots; num_slots, block tables, their stride, context
+# lens; T, H, I, L, nh, kvh, hd, block size; eps, scale; scratch; threads
+_ARGS = [_P] * 9 + [_I, _P, _I, _P] + [_I] * 8 + [ctypes.c_float, ctypes.c_float, _P, ctypes.c_int]
+
+
+def _lib():
+    lib, why = cpu_attention._library()
+    if lib is None:
+        return None, why
+    fn = lib.decode_forward_f32
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+    return lib, None
+
+
+def linear_descriptor(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
+                      scale: torch.Tensor | None = None, out_features: int = 0) -> _Linear | None:
+    """A float32 row-major (N, K) `weight`, or the int8 `packed` (pack_w8) with its `scale`; None
+    where the fused step cannot take it (another dtype, an int8 K not a multiple of 16)."""
+    b = 0 if bias is None else bias.data_ptr()
+    if packed is not None:
+        if packed.shape[1] % cpu_attention.W8_COLS or bias is not None and bias.dtype != torch.float32:
+            return None
+        return _Linear(packed.data_ptr(), scale.data_ptr(), b, out_features, packed.shape[1], 1)
+    if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous() \
+            or bias is not None and bias.dtype != torch.float32:
+        return None
+    return _Linear(weight.data_ptr(), 0, b, weight.shape[0], weight.shape[1], 0)
+
+
+class DecodeLayers:
+    """The fused step's view of a decoder: 4 linears (qkv, o, gate|up, down) and 2 norms per
+    layer, the final norm, the caches. `keep` holds every tensor a pointer points into."""
+
+    def __init__(self, linears: list[_Linear], norms: list[torch.Tensor], kv_caches, hidden: int,
+                 intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, keep: list):
+        self.num_layers = len(norms) // 2
+        self.lins = (_Linear * len(linears))(*linears)
+        self.norms = (ctypes.c_void_p * len(norms))(*[t.data_ptr() for t in norms])
+        self.k = (ctypes.c_void_p * len(kv_caches))(*[kc.data_ptr() for kc, _ in kv_caches])
+        self.v = (ctypes.c_void_p * len(kv_caches))(*[vc.data_ptr() for _, vc in kv_caches])
+        self.caches, self.keep = kv_caches, keep + norms
+        self.H, self.I, self.nh, self.kvh, self.hd, self.eps = (hidden, intermediate, num_heads, num_kv_heads,
+                                                                head_dim, eps)
+        kc = kv_caches[0][0]
+        self.block_size, self.num_slots = kc.shape[1], kc.shape[0] * kc.shape[1]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """x (T, H) float32 (the embedding rows; updated in place as the residual stream), cos/sin
+        (T, hd / 2) float32 -> the final normed hidden (T, H)."""
+        lib, why = _lib()
+        if lib is None:
+            raise RuntimeError(f"the CPU kernels are not available: {why}")
+        T = x.shape[0]
+        slots = slots.to(torch.int64).contiguous()
+        if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
+            raise RuntimeError("cpu decode_forward: a slot outside the cache")
+        bt = block_tables.to(torch.int32).contiguous()
+        ctx = context_lens.to(torch.int32).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        qkv_w = (self.nh + 2 * self.kvh) * self.hd
+        scratch = torch.empty(T * (2 * self.H + qkv_w + 2 * self.nh * self.hd + 3 * self.I), dtype=torch.float32)
+        out = torch.empty_like(x)
+        rc = lib.decode_forward_f32(
+            x.data_ptr(), out.data_ptr(), ctypes.addressof(self.lins), ctypes.addressof(self.norms),
+            ctypes.addressof(self.k), ctypes.addressof(self.v), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            self.num_slots, bt.data_ptr(), bt.shape[1], ctx.data_ptr(), T, self.H, self.I, self.num_layers,
+            self.nh, self.kvh, self.hd, self.block_size, float(self.eps), float(self.hd ** -0.5),
+            scratch.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"cpu decode_forward failed (code {rc})")
+        return out

@@ -1,0 +1,157 @@
+"""Weight-only int8 decoding and the one-call decode step: the int8 kernel against the float
+product of its dequantized weights, the fused step against the per-op path (bit for bit, fp32
+and int8), the accuracy gate on the real SmolLM2 (passes) and on a broken quantization
+(fails), and `--decode-weights` choosing by the gate's cached report."""
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from embedserve.errors import ConfigError
+from embedserve.models import decode_int8, int8_gate
+from embedserve.models.attention_dispatch import AttentionMetadata
+from embedserve.models.llama import LlamaConfig, LlamaModel, load_weights
+from embedserve.serve import load_decoder
+from kernels import compute, cpu_attention
+
+
+def _quantized(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[3 % n] = 0.0                                              # a row of zeros keeps a finite scale
+    q, scale = decode_int8.quantize_per_channel(w)
+    return w, q, scale
+
+
+def test_quantization_is_per_channel_within_half_a_step():
+    w, q, scale = _quantized(37, 50)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    err = (q.float() * scale[:, None] - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-7).all())
+    assert float(scale[3]) == 1.0 and int(q[3].abs().max()) == 0
+    assert torch.equal(cpu_attention.unpack_w8(cpu_attention.pack_w8(q), 37, 50), q)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 600])
+@pytest.mark.parametrize("n,k", [(8, 16), (37, 50), (200, 576), (13, 1100)])
+def test_gemv_w8_equals_the_dequantized_float_product(rows, n, k):
+    w, q, scale = _quantized(n, k, seed=n + k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    ref = F.linear(x.double(), (q.double() * scale.double()[:, None]), bias.double())
+    got = cpu_attention.gemv_w8(x, cpu_attention.pack_w8(q), scale, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert float((got.double() - ref).abs().max()) <= 1e-5 * max(1.0, float(ref.abs().max()))
+    # bfloat16 activations: computed in float32 from the same bf16 values, returned in bf16
+    xb = x.to(torch.bfloat16)
+    got_b = cpu_attention.gemv_w8(xb, cpu_attention.pack_w8(q), scale)
+    ref_b = F.linear(xb.double(), q.double() * scale.double()[:, None])
+    assert got_b.dtype == torch.bfloat16
+    assert float((got_b.double() - ref_b).abs().max()) <= 1e-2 * max(1.0, float(ref_b.abs().max()))
+
+
+def test_weight_int8_linear_reads_a_quarter_of_fp32s_bytes():
+    w, _, _ = _quantized(64, 96)
+    lin = decode_int8.WeightInt8Linear(w)
+    assert lin.weight_bytes() == 64 * 96 + 64 * 4
+    assert float((lin.dequantized() - w).abs().max()) <= float(w.abs().max()) / 254 + 1e-7
+
+
+def _prefill_then_decode(model, prompt, token, fused):
+    """Prefill `prompt` (one sequence), then one decode step of `token`; the step's final hidden
+    state, with the fused step on or off."""
+    cfg, bs = model.cfg, 16
+    T = len(prompt)
+    nb = -(-(T + 1) // bs)
+    shape = (nb, bs, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+    table = torch.arange(nb, dtype=torch.int32)[None]
+
+    def meta(start, n):
+        return AttentionMetadata(slot_mapping=torch.arange(start, start + n), block_tables=table,
+                                 context_lens=torch.tensor([start + n], dtype=torch.int32),
+                                 cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), num_decodes=int(n == 1),
+                                 context_lens_list=[start + n], q_lens_list=[n])
+    model.forward(torch.tensor(prompt), torch.arange(T), caches, meta(0, T))
+    with compute.override(fused_decode=fused):
+        used = model._fused(caches, meta(T, 1)) is not None
+        hidden = model.forward(torch.tensor([token]), torch.tensor([T]), caches, meta(T, 1))
+    return hidden, used
+
+
+@pytest.mark.parametrize("linear_weights", ["native", "int8"])
+def test_the_one_call_decode_step_equals_the_per_op_path_bit_for_bit(smollm2_dir, smollm2, linear_weights):
+    _, tok = smollm2
+    model = LlamaModel.from_dir(smollm2_dir, torch.float32, linear_weights=linear_weights)
+    prompt = tok("The capital of France is").input_ids
+    fused, used = _prefill_then_decode(model, prompt, 12366, fused=True)
+    model._fused_memo = None
+    plain, used_plain = _prefill_then_decode(model, prompt, 12366, fused=False)
+    assert used and not used_plain, "the switch turns the one-call step on and off"
+    assert torch.equal(fused, plain)
+
+
+@pytest.fixture(scope="module")
+def models(smollm2_dir):
+    cfg, weights = LlamaConfig.from_dir(smollm2_dir), load_weights(smollm2_dir)
+    return cfg, weights, LlamaModel(cfg, weights, torch.float32), LlamaModel(cfg, weights, torch.float32, "cpu", "int8")
+
+
+def test_int8_smollm2_passes_the_gate(models, smollm2):
+    _, _, native, int8 = models
+    report = int8_gate.run_gate(native, int8, smollm2[1])
+    print(asdict(report))
+    assert report.passed, report.reason
+    assert report.equal + report.ties == report.prompts == len(int8_gate.PROMPTS)
+    assert 1.0 - 0.01 < report.ppl_ratio <= int8_gate.MAX_PPL_RATIO
+    assert report.worst_gap <= int8_gate.TIE
+    assert int8.weight_bytes_per_step() * 3.9 < native.weight_bytes_per_step()
+
+
+def test_a_broken_quantization_fails_the_gate(models, smollm2, monkeypatch):
+    cfg, weights, native, _ = models
+
+    def three_levels(weight):                      # q in {-1, 0, 1}: what the gate exists to catch
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12)
+        return torch.round(w / scale[:, None]).to(torch.int8), scale
+    monkeypatch.setattr(decode_int8, "quantize_per_channel", three_levels)
+    broken = LlamaModel(cfg, weights, torch.float32, "cpu", "int8")
+    report = int8_gate.run_gate(native, broken, smollm2[1], new_tokens=8)
+    assert not report.passed
+    assert "no near-tie" in report.reason or "perplexity" in report.reason
+    assert report.ppl_ratio > int8_gate.MAX_PPL_RATIO
+
+
+def _cached(tmp_path, smollm2_dir, passed):
+    from embedserve.models.model_dir import fingerprint_dir
+    path = int8_gate.gate_path(tmp_path, fingerprint_dir(smollm2_dir), torch.float32)
+    path.parent.mkdir(parents=True)
+    report = int8_gate.GateReport(passed=passed, reason="passed" if passed else "held-out perplexity too high",
+                                  prompts=8, equal=8, ties=0, worst_gap=0.0, mean_equal_tokens=32.0, ppl_native=28.6,
+                                  ppl_int8=28.7 if passed else 40.0, ppl_ratio=1.003 if passed else 1.4, seconds=1.0)
+    path.write_text(json.dumps(asdict(report)))
+
+
+@pytest.mark.parametrize("passed", [True, False])
+def test_auto_takes_int8_only_where_the_cached_gate_passed(tmp_path, monkeypatch, smollm2_dir, smollm2, passed):
+    monkeypatch.setenv("EMBEDSERVE_CACHE_DIR", str(tmp_path))
+    _cached(tmp_path, smollm2_dir, passed)
+    monkeypatch.setattr(int8_gate, "run_gate", lambda *a, **k: pytest.fail("the cached report is used"))
+    model, gate = load_decoder(smollm2_dir, torch.float32, "cpu", "auto", smollm2[1])
+    assert model.linear_weights == ("int8" if passed else "native")
+    assert gate["passed"] is passed
+
+
+def test_explicit_choices_skip_the_gate_and_int8_off_the_cpu_is_refused(tmp_path, monkeypatch, smollm2_dir, smollm2):
+    monkeypatch.setenv("EMBEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(int8_gate, "run_gate", lambda *a, **k: pytest.fail("an explicit choice runs no gate"))
+    for choice in ("native", "int8"):
+        model, gate = load_decoder(smollm2_dir, torch.float32, "cpu", choice, smollm2[1])
+        assert model.linear_weights == choice and gate is None
+    with pytest.raises(ConfigError, match="--decode-weights int8: weight-only int8 decode is a CPU path"):
+        load_decoder(smollm2_dir, torch.float32, "cuda", "int8", smollm2[1])
