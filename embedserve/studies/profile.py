@@ -98,6 +98,8 @@ def _instrument(eng) -> list:
     _wrap(runner, "run", "es::run", patches)
     from kernels import cpu_attention
     _wrap(cpu_attention, "paged_decode_attention", "es::cpu_attention", patches)   # not an aten op
+    from kernels import cpu_decode
+    _wrap(cpu_decode.DecodeLayers, "forward", "es::fused_step", patches)             # one C call: all layers
     return patches
 
 
@@ -127,7 +129,8 @@ def decoding_engine(model, tok, batch: int, prompt_len: int, max_tokens: int, wa
     return eng
 
 
-def profile_decode(dtype: str, batch: int, prompt_len: int, steps: int, warm: int = 8) -> dict:
+def profile_decode(dtype: str, batch: int, prompt_len: int, steps: int, warm: int = 8,
+                   decode_weights: str = "native") -> dict:
     from transformers import AutoTokenizer
 
     from embedserve.models.llama import LlamaModel
@@ -137,7 +140,7 @@ def profile_decode(dtype: str, batch: int, prompt_len: int, steps: int, warm: in
     _, path = resolve_generate_model("SmolLM2-135M-Instruct")
     tok = AutoTokenizer.from_pretrained(str(path))
     tdtype = getattr(torch, decoder_precision(dtype, "cpu"))
-    model = LlamaModel.from_dir(path, dtype=tdtype)
+    model = LlamaModel.from_dir(path, dtype=tdtype, linear_weights=decode_weights)
     # the prefill and `warm` decode steps unprofiled
     eng = decoding_engine(model, tok, batch, prompt_len, warm + steps + 1, warm)
     # unprofiled steady steps: the wall time per step without profiler overhead
@@ -168,6 +171,8 @@ def profile_decode(dtype: str, batch: int, prompt_len: int, steps: int, warm: in
     fam_ms, op_ms, op_calls = _ops_by_family(events, "es::forward", n)
     if label_ms["es::cpu_attention"]:
         fam_ms["attention (C kernel)"] = label_ms["es::cpu_attention"]
+    if label_ms["es::fused_step"]:
+        fam_ms["the layers in one C call (linears, attention, glue)"] = label_ms["es::fused_step"]
     step_ms = statistics.median(walls) * 1e3
     plain_ms = statistics.median(plain) * 1e3
     fwd = label_ms["es::forward"]
@@ -185,7 +190,7 @@ def profile_decode(dtype: str, batch: int, prompt_len: int, steps: int, warm: in
     }
     top = sorted(op_ms.items(), key=lambda kv: -kv[1])[:12]
     return {
-        "what": f"decode step, {batch} sequences, prompt {prompt_len} tokens, {steps} steps profiled",
+        "what": f"decode step, {batch} sequences, prompt {prompt_len} tokens, {steps} steps profiled, {decode_weights} weights",
         "model": "SmolLM2-135M-Instruct", "dtype": str(tdtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2"))),
@@ -337,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="all-MiniLM-L6-v2", help="embed: the embedding model")
     ap.add_argument("--texts", type=int, default=64, help="embed: texts in the batch")
     ap.add_argument("--batch", type=int, default=16, help="decode: sequences in the batch")
+    ap.add_argument("--decode-weights", default="native", choices=("native", "int8"),
+                    help="decode: the linears' weights (int8: weight-only, embedserve.models.decode_int8)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", type=Path)
@@ -349,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         text = render_served(res)
     else:
         if args.dtype == "int8":
-            ap.error("--dtype int8 applies to embed only")
-        res = profile_decode(args.dtype, args.batch, args.prompt_len, args.steps)
+            ap.error("--dtype int8 applies to embed only (the decoder's int8 is --decode-weights int8)")
+        res = profile_decode(args.dtype, args.batch, args.prompt_len, args.steps, decode_weights=args.decode_weights)
         text = render(res)
     print(text)
     if args.out:

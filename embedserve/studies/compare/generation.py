@@ -1,5 +1,6 @@
 """`make bench`'s generation: our server, vLLM's CPU build and HF `generate` in static batches on
-the same prompts at 1, 16 and 64 concurrent requests, and a RAG shape with prefix caching on and off."""
+the same prompts at 1, 16 and 64 concurrent requests (ours with native weights, as the peers, and
+with weight-only int8 weights beside them), and a RAG shape with prefix caching on and off."""
 
 from __future__ import annotations
 
@@ -84,8 +85,15 @@ def bench_generation(runs: int, work: Path) -> dict:
     res: dict = {"ours": {}, "vllm": {}, "hf_static": {}}
     # the decoder's best precision here on every side (bf16 where the CPU has it fast)
     for dtype, shapes in ((peer_precision(), GEN_SHAPES),):
-        with ours("all-MiniLM-L6-v2", dtype, generate=GEN_MODEL, extra=("--max-num-seqs", "64")) as base:
+        # native weights against the peers (the same precision on every side); then our weight-only
+        # int8 decode (`--decode-weights int8`: the linears' weights int8, activations in dtype) beside them
+        with ours("all-MiniLM-L6-v2", dtype, generate=GEN_MODEL,
+                  extra=("--max-num-seqs", "64", "--decode-weights", "native")) as base:
             res["ours"][dtype] = gen_served(f"embedserve {dtype}", base, data, runs, shapes)
+        with ours("all-MiniLM-L6-v2", dtype, generate=GEN_MODEL,
+                  extra=("--max-num-seqs", "64", "--decode-weights", "int8")) as base:
+            res.setdefault("ours_int8", {})[dtype] = gen_served(f"embedserve {dtype} int8 weights", base, data, runs,
+                                                                shapes)
         missing = peer_missing("vllm")
         if missing:
             res["vllm"] = {"not_run": missing}
@@ -117,7 +125,7 @@ def bench_rag(tok, work: Path, runs: int, dtype: str) -> dict:
         files.append(write_jsonl(rows, work / f"rag-{r}.jsonl"))
     out: dict = {"dtype": dtype}
     for label, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
-        with ours("all-MiniLM-L6-v2", dtype, generate=GEN_MODEL, extra=(flag,)) as base:
+        with ours("all-MiniLM-L6-v2", dtype, generate=GEN_MODEL, extra=(flag, "--decode-weights", "native")) as base:
             rs = []
             for data in files:
                 rs += drive("generate", base, GEN_MODEL, data, "--max-concurrency", "1", "--num-requests", "8",

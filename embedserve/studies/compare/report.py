@@ -67,6 +67,12 @@ def markdown(res: dict) -> str:
             lines.append(f"| {dtype} | {conc} | {o['output_tokens_per_s']:.0f} (TTFT {o['ttft_p50_ms']:.0f}) | {vcell} | "
                          f"{h['output_tokens_per_s']:.0f} | {_x(o['output_tokens_per_s'], v['output_tokens_per_s'] if v else None)} | "
                          f"{_x(o['output_tokens_per_s'], h['output_tokens_per_s'])} |")
+    for dtype, shapes in g.get("ours_int8", {}).items():
+        lines += ["", f"Ours with weight-only int8 weights (`--decode-weights int8`, activations in {dtype}; the gate "
+                  "that lets `auto` pick it: embedserve/models/int8_gate.py): " + ", ".join(
+                      f"@{conc} {o['output_tokens_per_s']:.0f} tokens/s "
+                      f"({_x(o['output_tokens_per_s'], g['ours'][dtype][conc]['output_tokens_per_s'])} native)"
+                      for conc, o in shapes.items()) + "."]
     rag = g["rag_prefix_caching"]
     lines += ["", f"RAG shape (1,000-token shared system prompt, 150-token document, 16 output tokens, one at a "
               f"time, {rag.get('dtype', 'bfloat16')}): TTFT p50 {rag['on']['ttft_p50_ms']:.0f} ms with prefix caching, "
