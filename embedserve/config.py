@@ -229,8 +229,8 @@ class DecodeConfig(Section):
     kv_cache_dtype: str = opt("auto", "auto | float32 | bfloat16 | float16 | fp8 (fp8 only on GPUs with "
                                       "compute capability >= 8.9)", choices=KV_CACHE_DTYPES)
     decode_weights: str = opt("auto", "the decoder's linear weights: native (in --dtype), int8 (weight-only, per "
-                                      "output channel; CPU), auto (int8 on a CPU where the model passes the accuracy "
-                                      "gate of embedserve.models.int8_gate, else native)",
+                                      "output channel; CPU), auto (int8 for a float32 decoder on a CPU where the model "
+                                      "passes the accuracy gate of embedserve.models.int8_gate, else native)",
                               choices=("auto", "native", "int8"))
     max_model_len: int | None = opt(None, "prompt + output tokens per request (default: the model's, at most 8192)",
                                     lo=1, hi=1 << 20)

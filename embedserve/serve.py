@@ -121,8 +121,10 @@ def load_generator(cfg: ServerConfig, name: str, path: Path, plan: KVCachePlan) 
 
 def load_decoder(path: Path, dtype: torch.dtype, device: str, decode_weights: str, tokenizer):
     """(the LlamaModel, the int8 gate's report or None) for `--decode-weights`: native and int8 as
-    asked (int8 where it cannot run is a ConfigError); auto: int8 where it runs here and the model
-    passes the gate (its report cached per model), else native."""
+    asked (int8 where it cannot run is a ConfigError); auto: int8 where it runs here, the decoder's
+    activations are float32 (where a decode step takes the one-call C path, measured faster; a
+    bfloat16 decoder keeps its native weights under auto: int8 with bf16 activations goes op by op
+    and is not measured yet) and the model passes the gate (its report cached per model), else native."""
     from dataclasses import asdict
 
     from .models import int8_gate
@@ -134,7 +136,7 @@ def load_decoder(path: Path, dtype: torch.dtype, device: str, decode_weights: st
     why = int8_available(torch.device(device).type)
     if decode_weights == "int8" and why is not None:
         raise ConfigError(f"--decode-weights int8: {why}; use --decode-weights native")
-    if decode_weights == "native" or (decode_weights == "auto" and why is not None):
+    if decode_weights == "native" or (decode_weights == "auto" and (why is not None or dtype != torch.float32)):
         return LlamaModel.from_dir(path, dtype=dtype, device=device), None
     cfg, weights = LlamaConfig.from_dir(path), load_weights(path)
     int8 = LlamaModel(cfg, weights, dtype, device, linear_weights="int8")

@@ -147,6 +147,13 @@ def test_auto_takes_int8_only_where_the_cached_gate_passed(tmp_path, monkeypatch
     assert gate["passed"] is passed
 
 
+def test_auto_keeps_a_bf16_decoders_native_weights(tmp_path, monkeypatch, smollm2_dir, smollm2):
+    monkeypatch.setenv("EMBEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(int8_gate, "run_gate", lambda *a, **k: pytest.fail("no gate for a bf16 decoder under auto"))
+    model, gate = load_decoder(smollm2_dir, torch.bfloat16, "cpu", "auto", smollm2[1])
+    assert model.linear_weights == "native" and model.dtype == torch.bfloat16 and gate is None
+
+
 def test_explicit_choices_skip_the_gate_and_int8_off_the_cpu_is_refused(tmp_path, monkeypatch, smollm2_dir, smollm2):
     monkeypatch.setenv("EMBEDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(int8_gate, "run_gate", lambda *a, **k: pytest.fail("an explicit choice runs no gate"))
