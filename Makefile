@@ -51,7 +51,13 @@ $(PEERS)/vllm/.ok:
 	# these do not load beside this torch, and vLLM's text path does not need them
 	$(PEERS)/vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
-bench-peers: $(PEERS)/infinity/.ok $(PEERS)/vllm/.ok
+# the in-process encoder peers: OpenVINO and ONNX Runtime run the ONNX graph the bench exports
+# (embedserve/studies/compare/encoder_peers.py); no torch here
+$(PEERS)/openvino/.ok:
+	$(PYTHON) -m venv $(PEERS)/openvino
+	$(PEERS)/openvino/bin/pip install --quiet openvino==2026.4.1 onnxruntime==1.32.0 numpy
+	touch $@
+bench-peers: $(PEERS)/infinity/.ok $(PEERS)/vllm/.ok $(PEERS)/openvino/.ok
 
 # embedserve vs infinity-emb, sentence-transformers, vLLM (CPU) and HF generate, reranking included: ~75 min on
 # 2 AVX2 cores (`python -m embedserve.studies.compare --only rerank`: the reranking alone, ~23 min);

@@ -13,6 +13,11 @@ builds them once); a peer that is not installed is reported as such, never estim
               `--dtype auto` picks; the peers: bf16 where the CPU has fast bf16, else fp32, run
               once); 1 text per request at 8 and 32 concurrent clients, 32 texts per request at
               8; a Poisson sweep to saturation for the best precisions
+  encoder     the same two encoders in process: ours vs OpenVINO vs ONNX Runtime on one ONNX graph
+              the bench exports from transformers (fp32 on every side, and ours and OpenVINO in
+              bf16 where fast), 2 threads each, 512 texts in the same length-sorted 4,096-token
+              batches, the sides alternated round by round (encoder_peers, and encoder_worker,
+              run by the peers' venv)
   rerank      ms-marco-MiniLM-L-12-v2 (the bundled reranker, converted once): embedserve and
               infinity-emb served (one `POST /v1/rerank` per query with its 100 documents, 1 and 4
               concurrent clients), sentence-transformers' CrossEncoder and our model in process;
@@ -33,6 +38,7 @@ builds them once); a peer that is not installed is reported as such, never estim
                                                     # before rerank, which adds 17-23: fp32, and bf16 where fast)
     python -m embedserve.studies.compare --only rerank   # that section alone, merged into the
                                                          # existing result and BENCHMARKS.md
+    python -m embedserve.studies.compare --only encoder  # likewise
 
 One module per part: peers (the servers and the load generator that drives them), embeddings,
 rerank, generation, ceiling, report (the markdown); this one runs them and writes the results.
@@ -51,10 +57,11 @@ from embedserve.bench.report import machine_info
 
 from .ceiling import bench_ceiling
 from .embeddings import EMBED_WORKLOADS, bench_embeddings, corpus
+from .encoder_peers import bench_encoder_peers
 from .generation import GEN_SHAPES, bench_generation
 from .peers import EMBED_MODELS, GEN_MODEL, RESULTS, ROOT, best_dtype, best_of, drive, log, ours, write_jsonl
 from .rerank import bench_rerank
-from .report import markdown, rerank_markdown
+from .report import encoder_markdown, markdown, rerank_markdown
 
 # what the other studies and the tests use, by the name of the study
 __all__ = ["EMBED_MODELS", "EMBED_WORKLOADS", "GEN_MODEL", "GEN_SHAPES", "RESULTS", "ROOT", "best_dtype", "best_of",
@@ -70,29 +77,42 @@ def update_benchmarks_md(md: str) -> None:
         path.write_text(text)
 
 
-def _merge_rerank(out: Path, rerank: dict) -> int:
-    """`--only rerank`: the section replaces its old self in `out` (the other sections kept as they
-    were run, each table's first line says when and where), then the markdown and BENCHMARKS.md."""
+# the sections `--only` merges into an existing result, each with the markdown of it alone
+MERGED_SECTIONS = {"encoder": encoder_markdown, "rerank": rerank_markdown}
+
+
+def merge_section(out: Path, name: str, section: dict) -> int:
+    """`--only encoder|rerank`: the section replaces its old self in `out` (the other sections kept
+    as they were run, each table's first line says when and where), then the markdown and
+    BENCHMARKS.md (the section's table alone where `out` holds no full run)."""
     res = json.loads(out.read_text()) if out.exists() else {}
-    res["rerank"] = rerank
+    res[name] = section
     out.write_text(json.dumps(res, indent=2) + "\n")
     full = all(k in res for k in ("embeddings", "generation", "ceiling"))
-    md = markdown(res) if full else "\n".join(rerank_markdown(rerank))
+    md = markdown(res) if full else "\n".join(MERGED_SECTIONS[name](section))
     out.with_suffix(".md").write_text(md + "\n")
     if full:
         update_benchmarks_md(md)
     print(md)
-    log(f"rerank done in {rerank['run']['minutes']:.1f} minutes; merged into {out}")
+    log(f"{name} done in {section['run']['minutes']:.1f} minutes; merged into {out}")
     return 0
+
+
+def _run_record(args, res: dict, name: str, t1: float) -> dict:
+    """A merged section's own first line: `--only` merges it into a result of another day (or CPU)."""
+    return {"command": "make bench" if args.only is None else f"python -m embedserve.studies.compare --only {name}"
+            + (f" --runs {args.runs}" if args.runs != 3 else ""),
+            "date": res["date"], "runs": args.runs, "machine": res["machine"], "cpu_flags": res["cpu_flags"],
+            "minutes": (time.time() - t1) / 60}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m embedserve.studies.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=("embeddings", "rerank", "generation"), default=None,
-                    help="run one section; `rerank` replaces that section of --out (kept otherwise) and "
-                         "rewrites the markdown and BENCHMARKS.md")
+    ap.add_argument("--only", choices=("embeddings", "encoder", "rerank", "generation"), default=None,
+                    help="run one section; `encoder` and `rerank` replace that section of --out (kept "
+                         "otherwise) and rewrite the markdown and BENCHMARKS.md")
     ap.add_argument("--out", default=str(RESULTS / "compare.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("EMBEDSERVE_THREADS", str(os.cpu_count() or 1))
@@ -106,18 +126,14 @@ def main(argv=None) -> int:
     if args.only in (None, "embeddings"):
         log("embeddings")
         res["embeddings"] = bench_embeddings(args.runs, work)
-    if args.only in (None, "rerank"):
-        log("rerank")
-        t1 = time.time()
-        res["rerank"] = bench_rerank(args.runs, work)
-        # its own first line: `--only rerank` merges it into a result of another day (or CPU)
-        res["rerank"]["run"] = {"command": "make bench" if args.only is None else
-                                "python -m embedserve.studies.compare --only rerank"
-                                + (f" --runs {args.runs}" if args.runs != 3 else ""),
-                                "date": res["date"], "runs": args.runs, "machine": res["machine"],
-                                "cpu_flags": res["cpu_flags"], "minutes": (time.time() - t1) / 60}
-        if args.only == "rerank":
-            return _merge_rerank(Path(args.out), res["rerank"])
+    for name, bench in (("encoder", bench_encoder_peers), ("rerank", bench_rerank)):
+        if args.only in (None, name):
+            log(name)
+            t1 = time.time()
+            res[name] = bench(args.runs, work)
+            res[name]["run"] = _run_record(args, res, name, t1)
+            if args.only == name:
+                return merge_section(Path(args.out), name, res[name])
     if args.only in (None, "generation"):
         log("generation")
         res["generation"] = bench_generation(args.runs, work)

@@ -51,6 +51,8 @@ def markdown(res: dict) -> str:
                 f"{p['rate']}/s → {p['texts_per_s']:.0f} texts/s, p50 {p['p50_ms']:.0f} ms, p99 {p['p99_ms']:.0f} ms"
                 for p in pts))
         lines.append("")
+    if "encoder" in res:
+        lines += encoder_markdown(res["encoder"]) + [""]
     if "rerank" in res:
         lines += rerank_markdown(res["rerank"]) + [""]
     g = res["generation"]
@@ -181,4 +183,56 @@ def rerank_markdown(r: dict) -> list[str]:
                 f"document in {v['same_top1']}" for k, v in ref.items()) + ".")
     if r.get("notes"):
         lines += [""] + [f"{n}" for n in r["notes"]]
+    return lines
+
+def _version(models: dict, side: str) -> str:
+    """' 2026.4.1', the peer's version where it ran (OpenVINO's build suffix cut), else ''."""
+    v = next((x[side]["version"] for res in models.values() for x in res.values()
+              if isinstance(x, dict) and "version" in x.get(side, {})), "")
+    return f" {v.split('-')[0]}" if v else ""
+
+
+def encoder_markdown(r: dict) -> list[str]:
+    """The encoder-in-process section: its own first line (it may come from `--only encoder` on
+    another day or CPU than the rest), tokens/s per side and precision, the ratios, the agreement."""
+    run = r["run"]
+    m = run["machine"]
+    models = r["models"]
+    w = next(iter(models.values()))["workload"]
+    lines = ["### Encoder in process: embedserve vs OpenVINO vs ONNX Runtime (tokens/s)", "",
+             f"Run {run['date']} with `{run['command']}` on {m.get('cpu_model', m.get('cpu', '?'))}, {m.get('cores')} "
+             f"cores, CPU flags {', '.join(run['cpu_flags'])}; {r['threads']} threads on every side; one warm-up pass "
+             f"each, then {run['runs'] + 2} rounds alternating the sides, medians; {run['minutes']:.1f} minutes. "
+             f"The same {w['texts']:,} texts (the embeddings' corpus) tokenized and truncated by our model, sorted by "
+             f"length and cut into batches of at most {r['budget']:,} tokens; ours runs them packed, the ONNX peers "
+             "each batch padded to its longest, with a mask (their padded token counts below). Tokens/s of real "
+             "tokens. The ONNX graph is transformers' AutoModel of the same model directory, exported by the bench "
+             f"(`torch.onnx.export`, classic exporter, fp32, opset {r['opset']}, dynamic batch and sequence), read by "
+             "both peers; OpenVINO's precision hint is set explicitly, LATENCY mode; ONNX Runtime's CPU provider with "
+             "every graph optimization, in fp32 only. The peers stop at last_hidden_state, ours at the pooled vector.", "",
+             f"| model | precision | tokens (padded) | embedserve | OpenVINO{_version(models, 'openvino')} | "
+             f"ONNX Runtime{_version(models, 'onnxruntime')} | ours/OpenVINO | ours/ONNX Runtime |",
+             "|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for model, res in models.items():
+        wl = res["workload"]
+        for prec in ("float32", "bfloat16"):
+            if prec not in res:
+                continue
+            x = res[prec]
+            cells = []
+            for side in ("openvino", "onnxruntime"):
+                s = x.get(side)
+                cells.append(f"{s['tokens_per_s']:.0f}" if s and "tokens_per_s" in s else
+                             (s["not_run"] if s else "not run (fp32 only)"))
+            ratios = [_x(x["ours"]["tokens_per_s"], x.get(side, {}).get("tokens_per_s"))
+                      for side in ("openvino", "onnxruntime")]
+            lines.append(f"| {model} | {prec} | {wl['tokens']:,} ({wl['padded_tokens']:,}) | "
+                         f"{x['ours']['tokens_per_s']:.0f} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+            for side, ag in x.get("agreement", {}).items():
+                notes.append(f"{model} {prec}, {side}: max |Δ| "
+                             f"{ag['max_abs_diff']:.2g}, lowest cosine {ag['min_cosine']:.7f}")
+    if notes:
+        lines += ["", "Agreement on the first batch (the longest texts), the peers' last_hidden_state pooled as our "
+                  "model pools, against our vectors: " + "; ".join(notes) + "."]
     return lines
