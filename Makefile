@@ -59,8 +59,9 @@ $(PEERS)/openvino/.ok:
 	touch $@
 bench-peers: $(PEERS)/infinity/.ok $(PEERS)/vllm/.ok $(PEERS)/openvino/.ok
 
-# embedserve vs infinity-emb, sentence-transformers, vLLM (CPU) and HF generate, reranking included: ~75 min on
-# 2 AVX2 cores (`python -m embedserve.studies.compare --only rerank`: the reranking alone, ~23 min);
+# embedserve vs infinity-emb, sentence-transformers, OpenVINO and ONNX Runtime (the encoder in process), vLLM
+# (CPU) and HF generate, reranking included: ~86 min on 2 AVX2 cores (`python -m embedserve.studies.compare
+# --only rerank`: the reranking alone, ~23 min; `--only encoder`, ~11 min);
 # writes embedserve/studies/results/compare.{json,md} and the tables in BENCHMARKS.md
 bench: $(STAMP) bench-peers
 	$(BIN)/python -m embedserve.studies.compare

@@ -35,10 +35,11 @@ builds them once); a peer that is not installed is reported as such, never estim
               the same precision (this machine's speed moves by 10-15 % within minutes)
 
     python -m embedserve.studies.compare            # what `make bench` runs (about 55 minutes on 2 AVX2 cores,
-                                                    # before rerank, which adds 17-23: fp32, and bf16 where fast)
+                                                    # before rerank, which adds 17-23: fp32, and bf16 where fast,
+                                                    # and encoder, which adds 11 in fp32)
     python -m embedserve.studies.compare --only rerank   # that section alone, merged into the
                                                          # existing result and BENCHMARKS.md
-    python -m embedserve.studies.compare --only encoder  # likewise
+    python -m embedserve.studies.compare --only encoder  # likewise (11 minutes on 2 AVX2 cores, fp32 only)
 
 One module per part: peers (the servers and the load generator that drives them), embeddings,
 rerank, generation, ceiling, report (the markdown); this one runs them and writes the results.
