@@ -57,10 +57,17 @@ $(PEERS)/openvino/.ok:
 	$(PYTHON) -m venv $(PEERS)/openvino
 	$(PEERS)/openvino/bin/pip install --quiet openvino==2026.4.1 onnxruntime==1.32.0 numpy
 	touch $@
-bench-peers: $(PEERS)/infinity/.ok $(PEERS)/vllm/.ok $(PEERS)/openvino/.ok
+# llama.cpp through llama-cpp-python, the single-stream generation peer
+# (embedserve/studies/compare/llamacpp.py): built from source for this CPU (GGML_NATIVE, llama.cpp's
+# default, said explicitly), several minutes of compiling, niced
+$(PEERS)/llamacpp/.ok:
+	$(PYTHON) -m venv $(PEERS)/llamacpp
+	CMAKE_ARGS="-DGGML_NATIVE=ON" nice -n 19 $(PEERS)/llamacpp/bin/pip install --quiet llama-cpp-python==0.3.36
+	touch $@
+bench-peers: $(PEERS)/infinity/.ok $(PEERS)/vllm/.ok $(PEERS)/openvino/.ok $(PEERS)/llamacpp/.ok
 
 # embedserve vs infinity-emb, sentence-transformers, OpenVINO and ONNX Runtime (the encoder in process), vLLM
-# (CPU) and HF generate, reranking included: ~86 min on 2 AVX2 cores (`python -m embedserve.studies.compare
+# (CPU), HF generate and llama.cpp (one stream in process), reranking included: ~88 min on 2 AVX2 cores (`python -m embedserve.studies.compare
 # --only rerank`: the reranking alone, ~23 min; `--only encoder`, ~11 min);
 # writes embedserve/studies/results/compare.{json,md} and the tables in BENCHMARKS.md
 bench: $(STAMP) bench-peers

