@@ -78,9 +78,7 @@ class DecodeLayers:
         if lib is None:
             raise RuntimeError(f"the CPU kernels are not available: {why}")
         T = x.shape[0]
-        slots = slots.to(torch.int64).contiguous()
-        if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
-            raise RuntimeError("cpu decode_forward: a slot outside the cache")
+        slots = slots.to(torch.int64).contiguous()          # bounds checked by rope_store (code -3)
         bt = block_tables.to(torch.int32).contiguous()
         ctx = context_lens.to(torch.int32).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -94,5 +92,5 @@ class DecodeLayers:
             self.nh, self.kvh, self.hd, self.block_size, float(self.eps), float(self.hd ** -0.5),
             scratch.data_ptr(), torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(f"cpu decode_forward failed (code {rc})")
+            raise RuntimeError(f"cpu decode_forward failed (code {rc}: -3 is a slot outside the cache)")
         return out

@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -81,8 +80,9 @@ class GateReport:
     version: int = GATE_VERSION
 
 
-def sequence_logits(model, ids: list[int]) -> torch.Tensor:
-    """(len(ids), V) float32 logits of one sequence in one prefill, on a KV pool of its own."""
+def sequence_logits(model, ids: list[int], last_only: bool = False) -> torch.Tensor:
+    """(len(ids), V) float32 logits of one sequence in one prefill, on a KV pool of its own
+    (`last_only`: the last position's only, (1, V))."""
     cfg = model.cfg
     bs = 16
     nb = -(-len(ids) // bs)
@@ -97,7 +97,7 @@ def sequence_logits(model, ids: list[int]) -> torch.Tensor:
                              cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32, device=dev),
                              num_decodes=int(T == 1), context_lens_list=[T], q_lens_list=[T])
     hidden = model.forward(torch.tensor(ids, device=dev), torch.arange(T, device=dev), caches, meta)
-    return model.logits(hidden)
+    return model.logits(hidden[-1:] if last_only else hidden)
 
 
 def perplexity(model, texts_ids: list[list[int]]) -> float:
@@ -137,7 +137,7 @@ def run_gate(native, int8, tokenizer, new_tokens: int = NEW_TOKENS) -> GateRepor
         if t is None:
             equal += 1
             continue
-        logits = sequence_logits(native, p + a[:t])[-1]
+        logits = sequence_logits(native, p + a[:t], last_only=True)[0]
         gap = float(logits[a[t]] - logits[b[t]])
         worst = max(worst, gap)
         if gap <= TIE:
@@ -170,11 +170,10 @@ def cached_gate(path: Path, native_fn, int8, tokenizer) -> GateReport:
     except (OSError, ValueError, TypeError):
         pass
     report = run_gate(native_fn(), int8, tokenizer)
+    from index.durable import atomic_write
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(report), indent=1) + "\n")
-        os.replace(tmp, path)                   # atomic: a reader sees the old report or the new one
+        atomic_write(path, (json.dumps(asdict(report), indent=1) + "\n").encode())
     except OSError as exc:                      # a read-only home: the gate runs again next start
         logger.warning("could not cache the int8 gate's report at %s: %s", path, exc)
     return report
