@@ -85,9 +85,9 @@ def reindex(store: PgStore, name: str, embedder, *, batch_docs: int = 256, sampl
 
         def save(c: Checkpoint) -> None:
             store.save_checkpoint(name, version, asdict(c))
-        copy_passes(old, new, embedder, ck, save, batch_docs, on_batch, engine, max_passes)
+        settled = copy_passes(old, new, embedder, ck, save, batch_docs, on_batch, engine, max_passes)
         store.build_ann(name, version)           # one bulk build (a resumed run may find it built)
-        report = run_gate(old, new, embedder, sample=sample, old_embedder=old_embedder)
+        report = run_gate(old, new, embedder, sample=sample, old_embedder=old_embedder, settled_seq=settled)
         if not report.ok:
             raise GateFailed(f"the gate refused {name}/{version}; {live} stays live: " + "; ".join(report.failures()),
                              report)

@@ -158,14 +158,18 @@ def _copy(old: Index, new: Index, embedder, ck: Checkpoint, save: Callable[[Chec
 
 
 def copy_passes(old: Index, new: Index, embedder, ck: Checkpoint, save: Callable[[Checkpoint], None],
-                batch_docs: int, on_batch, engine, max_passes: int) -> None:
+                batch_docs: int, on_batch, engine, max_passes: int) -> int:
     """The first pass copies everything (on `engine` if given); the next ones catch up with writes
-    made meanwhile, until the gap is small (the last one runs at the swap). Either backend's."""
+    made meanwhile, until the gap is small (the last one runs at the swap). Either backend's.
+    Returns the live version's sequence number when the last pass began: every write up to it
+    is in `new` (the gate's `settled_seq`)."""
     for p in range(max_passes):
+        settled = old.docs.seq()
         moved = (_copy(old, new, embedder, ck, save, batch_docs, on_batch, engine if p == 0 else None)
                  + _drop_deleted(old, new))
         if moved <= batch_docs:
             break
+    return settled
 
 
 def live_to_migrate(store, name: str, embedder):
@@ -211,8 +215,8 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
         old = store.open(name, version=live)
         new = store.open(name, embedder.identity, version=version)
         try:
-            copy_passes(old, new, embedder, ck, ck.save_to(new_dir), batch_docs, on_batch, engine, max_passes)
-            report = run_gate(old, new, embedder, sample=sample, old_embedder=old_embedder)
+            settled = copy_passes(old, new, embedder, ck, ck.save_to(new_dir), batch_docs, on_batch, engine, max_passes)
+            report = run_gate(old, new, embedder, sample=sample, old_embedder=old_embedder, settled_seq=settled)
             if not report.ok:
                 raise GateFailed(f"the gate refused {name}/{version}; {live} stays live: "
                                  + "; ".join(report.failures()), report)
