@@ -68,8 +68,8 @@ def run_gate(old: Index, new: Index, embedder, *, sample: int = 1000, old_embedd
 def _counts(old: Index, new: Index, n_old: int, n_new: int, settled_seq: int | None) -> tuple[bool, str]:
     """Equal counts, or — while the live version takes writes — every document missing from
     `new` written to the live one after the last pass began, and documents only in `new`
-    possible only if the live version changed since (a deletion): the swap copies both under the
-    writers' lock and checks the counts exactly there (`counts_at_swap`)."""
+    possible only if the live version changed since (a deletion): a catch-up pass after the gate
+    copies them, and the swap checks the counts exactly under the writers' lock (`counts_at_swap`)."""
     dense = new.counts()["dense"]
     detail = f"live {n_old} documents, new {n_new} (dense vectors {dense})"
     if dense != n_new:
@@ -82,7 +82,7 @@ def _counts(old: Index, new: Index, n_old: int, n_new: int, settled_seq: int | N
     ok = missing <= later and (not extra or old.docs.seq() > settled_seq)
     if ok:
         detail += (f"; {len(missing)} added and {len(extra)} deleted on the live version during the last pass, "
-                   "copied at the swap, where the counts are checked again under the writers' lock")
+                   "copied before the swap, which checks the counts again under the writers' lock")
     return ok, detail
 
 

@@ -97,6 +97,8 @@ def reindex(store: PgStore, name: str, embedder, *, batch_docs: int = 256, sampl
                     "status": "applied"}
         if dry_run:
             return {**entry(), "swapped": False}
+        # catch up with what was written while the gate ran, so little is left for the held writers
+        copy_passes(old, new, embedder, ck, save, batch_docs, None, None, max_passes)
         with store.db.transaction() as cur:
             _hold_writers(store, cur, old.id)
             _copy(old, new, embedder, ck, save, batch_docs, None)

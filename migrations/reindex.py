@@ -225,6 +225,8 @@ def reindex(store: IndexStore, name: str, embedder, *, batch_docs: int = 256, sa
                 return ledger.reindex_entry(name, old_manifest, live, version, embedder, ck, report, t0, engine)
             if dry_run:
                 return {**entry(), "swapped": False}
+            # catch up with what was written while the gate ran, so little is left for the held writers
+            copy_passes(old, new, embedder, ck, ck.save_to(new_dir), batch_docs, None, None, max_passes)
             with _settled_on_error(index_dir):
                 begun = _swap_under_write_lock(store, name, old, new, embedder, ck, new_dir, batch_docs, report,
                                                lambda: ledger.begin(index_dir, entry()))

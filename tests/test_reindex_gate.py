@@ -1,7 +1,8 @@
 """The reindex gate while the live version keeps taking writes, on both backends, with a
 deterministic embedder (no model): a document written after the last copy pass and before the
-gate is not a failed copy — the gate passes, says so, and the swap copies it under the writers'
-lock — while a document the copy lost is still refused."""
+gate is not a failed copy — the gate passes, says so, and the document is copied before the swap
+(which checks the counts exactly under the writers' lock) — while a document the copy lost is
+still refused."""
 
 from __future__ import annotations
 
