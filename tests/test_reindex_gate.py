@@ -85,7 +85,7 @@ def test_a_write_between_the_last_pass_and_the_gate_passes_it_and_is_copied_at_t
     assert entry["swapped"]
     counts = seen[0].checks["counts"]
     assert counts["ok"] and "live 31 documents, new 30" in counts["detail"], counts
-    assert "1 added" in counts["detail"] and "checked again" in counts["detail"]
+    assert "1 added" in counts["detail"] and "checks the counts again" in counts["detail"]
     ix = store.open("kb", NEW.identity)
     try:
         assert ix.counts()["documents"] == 31
