@@ -1,4 +1,4 @@
-"""`embedserve reindex`: a real index of 520 Wikipedia summaries built with all-MiniLM-L6-v2 is
+"""`embedserve reindex`: a real index of 300 Wikipedia summaries built with all-MiniLM-L6-v2 is
 migrated to multilingual-e5-small — writes made meanwhile carried over, the gate, the atomic
 swap, a retired old version refusing writes, rollback, the ledger — and the migration killed
 with SIGKILL at 10 %, 50 % and 99 % resumes to the same result, embedding each document about once."""
@@ -28,7 +28,7 @@ from migrations.reindex import CHECKPOINT, reindex, rollback, writes_since_swap
 
 from helpers import build_wiki_index, copy_index, reindex_cli, wiki_docs
 
-N_DOCS = 520
+N_DOCS = 300
 
 
 def _wiki_docs(n: int = N_DOCS) -> list[Document]:
@@ -37,7 +37,7 @@ def _wiki_docs(n: int = N_DOCS) -> list[Document]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, minilm_model):
-    """A MiniLM index of the 520 documents (copied per test that changes it)."""
+    """A MiniLM index of the 300 documents (copied per test that changes it)."""
     root = tmp_path_factory.mktemp("src")
     store = IndexStore(root)
     emb = ModelEmbedder(minilm_model)
