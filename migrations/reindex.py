@@ -163,6 +163,7 @@ def copy_passes(old: Index, new: Index, embedder, ck: Checkpoint, save: Callable
     made meanwhile, until the gap is small (the last one runs at the swap). Either backend's.
     Returns the live version's sequence number when the last pass began: every write up to it
     is in `new` (the gate's `settled_seq`)."""
+    settled = old.docs.seq()
     for p in range(max_passes):
         settled = old.docs.seq()
         moved = (_copy(old, new, embedder, ck, save, batch_docs, on_batch, engine if p == 0 else None)
