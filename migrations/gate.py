@@ -78,7 +78,8 @@ def _counts(old: Index, new: Index, n_old: int, n_new: int, settled_seq: int | N
         return n_old == n_new, detail
     old_ids, new_ids = old.docs.ids(), new.docs.ids()
     missing, extra = old_ids - new_ids, new_ids - old_ids
-    later = {d.id for _, d in old.docs.documents_after(settled_seq, len(missing) + 1024)} if missing else set()
+    # every live document written since, whatever the writes (updates count too): at most the live count
+    later = {d.id for _, d in old.docs.documents_after(settled_seq, len(old_ids) + 1024)} if missing else set()
     ok = missing <= later and (not extra or old.docs.seq() > settled_seq)
     if ok:
         detail += (f"; {len(missing)} added and {len(extra)} deleted on the live version during the last pass, "

@@ -116,3 +116,33 @@ def test_without_writes_the_counts_must_be_equal(store):
     entry = migrations.for_store(store).reindex(store, "kb", NEW, batch_docs=8, sample=10)
     assert entry["swapped"] and entry["gate"]["checks"]["counts"] == {
         "ok": True, "detail": "live 30 documents, new 30 (dense vectors 30)"}
+
+
+def test_many_rewrites_during_the_last_pass_do_not_hide_a_late_document(store, monkeypatch):
+    """1,100 documents rewritten (metadata only) after the last pass began, then one added: the
+    gate reads back every live document written since, not a fixed number of them."""
+    ix = store.open("kb", OLD.identity)
+    try:
+        docs = [Document(f"m{i}", f"more text number {i} on lakes") for i in range(1100)]
+        v = OLD.embed_documents([d.text for d in docs])
+        ix.upsert(docs, v.dense, v.sparse, OLD.identity)
+    finally:
+        ix.close()
+    mod = _gate_module(store)
+    real, seen = mod.run_gate, []
+
+    def rewrite_then_gate(old, new, embedder, **kw):
+        rewritten = [Document(f"m{i}", f"more text number {i} on lakes", {"pass": "late"}) for i in range(1100)]
+        ix = store.open("kb", OLD.identity)
+        try:
+            v = OLD.embed_documents([d.text for d in rewritten])
+            ix.upsert(rewritten, v.dense, v.sparse, OLD.identity)
+        finally:
+            ix.close()
+        _write(store, Document("late", "the last document, written after the rewrites"))
+        seen.append(real(old, new, embedder, **kw))
+        return seen[-1]
+    monkeypatch.setattr(mod, "run_gate", rewrite_then_gate)
+    entry = migrations.for_store(store).reindex(store, "kb", NEW, batch_docs=256, sample=10)
+    assert entry["swapped"] and seen[0].checks["counts"]["ok"], seen[0].checks["counts"]
+    assert "live 1131 documents, new 1130" in seen[0].checks["counts"]["detail"]
