@@ -25,10 +25,6 @@ _REFUSALS = frozenset({400, 401, 403, 404, 405, 415, 422})
 
 # What goes wrong on the wire: refused or dropped connections, and the client's own timeout.
 _TRANSPORT = (aiohttp.ClientError, asyncio.TimeoutError)
-
-# aiohttp rather than httpx: at 32 connections httpx's AsyncClient spent ~4.5 ms of CPU per small
-# request in this process against aiohttp's ~0.4 ms (2,000 embedding requests to a constant
-# answer), and the load generator shares the measured machine's cores with the server it loads.
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -183,6 +179,9 @@ async def run_all(cfg: LoadConfig, work: Workload, sweep: tuple[str, list] | Non
         settings = [(v, cfg.max_concurrency, f"rate={v:g}") if key == "rate"
                     else (cfg.request_rate, v, f"concurrency={v}") for v in values]
     runs = []
+    # aiohttp rather than httpx: at 32 connections httpx's AsyncClient spent ~4.5 ms of CPU per small
+    # request in this process against aiohttp's ~0.4 ms (2,000 embedding requests to a constant
+    # answer), and the load generator shares the measured machine's cores with the server it loads.
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=cfg.timeout),
                                      connector=aiohttp.TCPConnector(limit=connections)) as client:
         runner = Runner(cfg, client)
