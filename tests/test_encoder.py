@@ -85,3 +85,24 @@ def test_weights_never_loaded_with_pickle(tmp_path, minilm_dir):
     (d / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(FileNotFoundError, match="safetensors"):
         em.EmbeddingModel(d, dtype="float32")
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_tokens_only_equal_the_full_forwards_first_rows(minilm_dir, dtype):
+    """`first_only` (a cross-encoder's head, CLS pooling) runs the last layer for each sequence's
+    first token alone: the same rows as the full forward, with lengths that make padded
+    attention groups and a sequence of one token."""
+    from embedserve.models.encoder import Encoder
+    enc = Encoder.from_dir(minilm_dir, dtype)
+    lengths = [200, 131, 130, 64, 9, 8, 8, 2, 1]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 20000, (sum(lengths),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    plan = AttentionPlan.build(lengths)
+    assert any(dest is not None for *_, dest, _m in plan.groups)        # some group is padded
+    full = enc(ids, pos, plan)[plan.cu_seqlens[:-1].long()].float()
+    first = enc(ids, pos, plan, first_only=True).float()
+    assert first.shape == (len(lengths), enc.cfg.hidden_size)
+    tol = 1e-5 if dtype == torch.float32 else 0.05 * float(full.abs().max())
+    assert float((first - full).abs().max()) <= tol

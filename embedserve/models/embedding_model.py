@@ -287,8 +287,12 @@ class EmbeddingModel:
             types = (pos >= torch.tensor([segments[i] if segments[i] is not None else L
                                           for i, L in zip(order, lengths)]).repeat_interleave(
                 torch.tensor(lengths)).to(dev)).long() * self.second_type
-        h = encoder(ids, pos, plan, types)                                    # (T, H)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        # only the first tokens are read (a cross-encoder's head, CLS pooling): the last layer
+        # computes them alone (Encoder.forward)
+        first_only = bool(want) and want <= ({"score", "dense"} if self.pooling == "cls" else {"score"})
+        h = encoder(ids, pos, plan, types, first_only=first_only)             # (T, H), or (B, H)
+        starts = (np.arange(len(lengths)) if first_only else
+                  np.concatenate([[0], np.cumsum(lengths)[:-1]])).astype(np.int64)
         outs = [EmbedOutput() for _ in batch]
         if "score" in want:
             logits = self.classify(h[torch.as_tensor(starts, device=h.device)]).cpu().numpy()   # (B, labels)
