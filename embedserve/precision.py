@@ -23,7 +23,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

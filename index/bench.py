@@ -83,7 +83,7 @@ def bench_faiss(base: np.ndarray, queries: np.ndarray, truth: np.ndarray, ef_val
             if ef is not None:
                 dense.config.ef_search = ef
             dense.threads = threads
-            lat = _latency(lambda q: dense.search(q[None, :], 10), queries)
+            lat = _latency(lambda q, ix=dense: ix.search(q[None, :], 10), queries)
             _, found = dense.search(queries, 10)
             name = f"flat (exact), {threads} thread{'s' if threads > 1 else ''}" if ef is None else \
                 f"hnsw M={hnsw_m} efC={ef_construction} efSearch={ef}"

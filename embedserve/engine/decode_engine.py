@@ -14,8 +14,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from kernels import check_kv_cache_dtype
 
 from ..config import DecodeConfig
