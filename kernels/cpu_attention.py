@@ -11,7 +11,7 @@ step in bf16 (`python -m embedserve.studies.profile decode`): SDPA 5.4 ms + gath
 20.9 ms. The kernel reads K/V in place through the block table, loads each K/V row once for
 the query heads that share it, and accumulates in float32. For the encoder, SDPA over padded
 length groups ran its small-head (d = 32) problems at ~40 GFLOP/s, 26-29 % of the forward; the
-varlen kernel computes no padding and register-blocks the scores (4 query rows x 16 keys).
+varlen kernel computes no padding and register-blocks the scores (8 query rows x 16 keys with AVX-512, 4 with AVX2).
 
 The shared library is cached under $EMBEDSERVE_HOME/kernels, keyed by the source, the flags
 and the CPU (it is built with -march=native): a build is ~1 s, once per machine. No compiler,

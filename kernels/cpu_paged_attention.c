@@ -27,7 +27,7 @@
 
 #if defined(__AVX512F__)
 #define VW 16          /* floats per vector register */
-#define VCHUNK 64      /* value columns summed per pass: all of a head (hd <= 64), 4 rows x 4 zmm */
+#define VCHUNK 32      /* value columns summed per pass: 8 rows x 2 zmm (hd 64: two passes) */
 #else
 #define VW 8           /* AVX2: 16 ymm registers, so 4 rows x 16 columns of values per pass */
 #define VCHUNK 16
@@ -281,12 +281,17 @@ DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, attend_vec_bf16, uint16_
  * Encoder attention over packed sequences (no padding, no mask): qkv [T, 3 * nh * hd] holds each
  * token's q | k | v, sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]; out [T, nh * hd];
  * hd a multiple of 16, at most 64. Per (sequence, head): K transposed to [hd, L] in float32, then
- * register-blocked: 4 query rows x 16 keys of scores per pass over hd (one K load feeds 4 FMAs,
- * no horizontal sums), softmax, and the values summed into 4 rows x hd accumulators. GCC vector
- * extensions (16 floats), so it builds on AVX2-only CPUs as well.
+ * register-blocked: R query rows x 16 keys of scores per pass over hd (one K load feeds R FMAs,
+ * no horizontal sums; R = 8 with AVX-512, 4 with AVX2: 8 independent accumulators either way,
+ * which two FMA pipes of 4 cycles' latency need), softmax, and the values summed into R rows x hd
+ * accumulators. GCC vector extensions (16 floats), so it builds on AVX2-only CPUs as well.
  */
 #define NU (16 / VW)
+#if VW == 16          /* 8 independent accumulators either way: 8 rows x 1 zmm, or 4 rows x 2 ymm */
+#define R 8
+#else
 #define R 4
+#endif
 
 #define DEFINE_HEAD(NAME, T, LOAD, STORE)                                                             \
 static inline __attribute__((always_inline)) void NAME(const T *qkv, T *out, int64_t start, int64_t L, \
@@ -308,7 +313,7 @@ static inline __attribute__((always_inline)) void NAME(const T *qkv, T *out, int
                           for (int64_t d = 0; d < HD; d++) q[r][d] *= scale; }                      \
             else memset(q[r], 0, sizeof(q[r]));                                                     \
         }                                                                                           \
-        for (int64_t c = 0; c < Lp; c += 16) {                    /* scores, 4 rows x 16 keys */   \
+        for (int64_t c = 0; c < Lp; c += 16) {                    /* scores, R rows x 16 keys */   \
             vec a[R][NU];                                                                           \
             for (int r = 0; r < R; r++) for (int u = 0; u < NU; u++) a[r][u] = (vec){0};            \
             for (int64_t d = 0; d < HD; d++) {                                                      \
@@ -327,7 +332,7 @@ static inline __attribute__((always_inline)) void NAME(const T *qkv, T *out, int
             inv[r] = 1.f / z;                                                                       \
         }                                                                                           \
         float res[R][64];                                                                           \
-        for (int64_t k0 = 0; k0 < HD; k0 += VCHUNK) {             /* values: 4 rows x VCHUNK */    \
+        for (int64_t k0 = 0; k0 < HD; k0 += VCHUNK) {             /* values: R rows x VCHUNK */    \
             const int64_t nv = (HD - k0 < VCHUNK ? HD - k0 : VCHUNK) / VW;                          \
             vec o[R][VCHUNK / VW];                                                                  \
             for (int r = 0; r < R; r++) for (int k = 0; k < VCHUNK / VW; k++) o[r][k] = (vec){0};   \

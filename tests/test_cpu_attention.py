@@ -123,8 +123,9 @@ def _varlen_reference(qkv, lens, nh):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_varlen_attention_equals_per_sequence_sdpa(nh, hd, dtype):
     g = torch.Generator().manual_seed(nh * hd)
-    # one token (attends to itself), fewer rows than the 4-row block, a 16-key boundary, ragged, long
-    lens = [1, 2, 3, 16, 17, 64, 300, 5]
+    # one token (attends to itself), fewer rows than the row block (4 with AVX2, 8 with AVX-512), one
+    # past it, a 16-key boundary, ragged, long
+    lens = [1, 2, 3, 16, 17, 64, 300, 5, 9, 7]
     qkv = torch.randn(sum(lens), 3 * nh * hd, generator=g).to(dtype)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     ours = cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5)
