@@ -21,7 +21,7 @@ from ..errors import ConfigError, OverloadedError, UnavailableError, ValidationE
 from ..metrics import Metrics
 from ..models.llama import LlamaModel
 from .block_manager import BlockManager
-from .embed_engine import COMPUTE_LOCK
+from .compute import COMPUTE_LOCK
 from .model_runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler, SchedulerConfig
@@ -238,6 +238,10 @@ class DecodeEngine(EngineThread):
 
     def _loop(self) -> None:
         while True:
+            with self._cv:
+                idle = not self._stop and not self._inbox and not self.scheduler.has_work()
+            if idle:
+                COMPUTE_LOCK.idle()             # nothing to run: this thread's OpenMP team goes
             with self._cv:
                 while not self._stop and not self._inbox and not self.scheduler.has_work():
                     self._cv.wait()

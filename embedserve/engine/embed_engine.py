@@ -7,7 +7,6 @@ come back through each request's `on_done` callback, called on the engine thread
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from ..config import EmbedConfig
@@ -15,12 +14,12 @@ from ..errors import OverloadedError, UnavailableError, ValidationError
 from ..metrics import Metrics
 from ..models.embedding_model import EmbeddingModel
 from .batch_queue import EmbedRequest, RequestStatus, TokenBudgetQueue
+from .compute import COMPUTE_LOCK
 from .engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
 
-# One lock for model compute: where cores are few, engines take turns instead of fighting.
-COMPUTE_LOCK = threading.Lock()
+__all__ = ["COMPUTE_LOCK", "EmbedEngine"]
 
 
 class EmbedEngine(EngineThread):
@@ -164,6 +163,10 @@ class EmbedEngine(EngineThread):
     def _loop(self) -> None:
         cfg, m = self.config, self.metrics
         while True:
+            with self._cv:
+                idle = not self._stop and not len(self._queue)
+            if idle:
+                COMPUTE_LOCK.idle()             # nothing queued: this thread's OpenMP team goes
             with self._cv:
                 while not self._stop and not len(self._queue):
                     self._cv.wait()

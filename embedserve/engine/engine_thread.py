@@ -9,6 +9,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from .compute import COMPUTE_LOCK
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,12 +41,15 @@ class EngineThread:
             self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        COMPUTE_LOCK.enroll()
         try:
             self._loop()
         except BaseException as exc:            # the loop never returns by error on purpose
             self.death = f"{type(exc).__name__}: {exc}"
             logger.critical("the %s thread died: %s", self.thread_name, self.death, exc_info=True)
             self._on_death(exc)
+        finally:
+            COMPUTE_LOCK.leave()
 
     def _on_death(self, exc: BaseException) -> None:
         """Fail whatever was waiting for the loop (nothing may wait forever on a dead thread)."""

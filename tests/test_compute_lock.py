@@ -1,0 +1,153 @@
+"""The compute lock releases a thread's OpenMP team when it hands the cores over, and an
+engine's when it goes idle beside other engines (embedserve/engine/compute.py): counted as the process's OS
+threads, since each of torch's OpenMP workers is one."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from embedserve.engine.compute import ComputeLock, _find_omp_pause
+
+pytestmark = pytest.mark.skipif(_find_omp_pause() is None, reason="torch without libgomp")
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _base() -> int:
+    """The thread count once it has held still for half a second (an earlier test's threads
+    may still be ending)."""
+    last, since, deadline = _threads(), time.monotonic(), time.monotonic() + 15
+    while time.monotonic() - since < 0.5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        if (now := _threads()) != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def _parallel_work():
+    """One parallel region on 2 threads (a team: the calling thread + 1 worker)."""
+    x = torch.ones(4_000_000)
+    x.exp_()
+    return float(x[0])
+
+
+def _settle(expected: int, timeout: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout
+    while _threads() != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _threads()
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+class Engine:
+    """A thread that computes under the lock when told, goes idle when told, and ends when told."""
+
+    def __init__(self, lock: ComputeLock):
+        self.lock, self.todo, self.done = lock, [], threading.Semaphore(0)
+        self.cv = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        self.lock.enroll()
+        while True:
+            with self.cv:
+                while not self.todo:
+                    self.cv.wait()
+                what = self.todo.pop(0)
+            if what == "stop":
+                self.lock.leave()
+                self.done.release()
+                return
+            if what == "compute":
+                with self.lock:
+                    _parallel_work()
+            elif what == "idle":
+                self.lock.idle()
+            self.done.release()
+
+    def do(self, what: str, wait: bool = True):
+        with self.cv:
+            self.todo.append(what)
+            self.cv.notify()
+        if wait:
+            assert self.done.acquire(timeout=30)
+
+
+def test_one_engine_keeps_its_team():
+    lock = ComputeLock()
+    base = _base()
+    a = Engine(lock)
+    a.do("compute")
+    with_team = _settle(base + 2)
+    assert with_team == base + 2, "the engine thread and its OpenMP worker"
+    a.do("idle")
+    a.do("compute")
+    assert lock.released == 0 and _threads() == base + 2      # alone, nothing is released
+    a.do("stop")
+    a.thread.join(5)
+    assert _settle(base) == base, "an ended thread's team goes with it"
+
+
+def test_idle_engines_release_their_teams_beside_other_engines():
+    lock = ComputeLock()
+    base = _base()
+    a, b = Engine(lock), Engine(lock)
+    a.do("compute")
+    a.do("idle")                                              # b may compute next: a's team goes
+    assert _settle(base + 2) == base + 2 and lock.released == 1
+    a.do("compute")
+    b.do("compute")
+    assert _settle(base + 4) == base + 4, "two engine threads, two OpenMP workers"
+    a.do("idle")
+    assert _settle(base + 3) == base + 3 and lock.released == 2
+    a.do("idle")                                              # no team left: nothing to do
+    assert lock.released == 2
+    b.do("idle")
+    assert _settle(base + 2) == base + 2 and lock.released == 3
+    for e in (a, b):
+        e.do("stop")
+        e.thread.join(5)
+    assert _settle(base) == base
+
+
+def test_a_thread_handing_the_cores_over_releases_its_team_first():
+    lock = ComputeLock()
+    base = _base()
+    a, b = Engine(lock), Engine(lock)
+    a.do("compute")
+    assert _settle(base + 3) == base + 3, "nobody waited: a keeps its team"
+    released = lock.released
+    with lock:                                                # hold the cores; a and b queue
+        a.do("compute", wait=False)
+        b.do("compute", wait=False)
+        deadline = time.monotonic() + 10
+        while lock._waiting < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lock._waiting == 2
+    assert a.done.acquire(timeout=30) and b.done.acquire(timeout=30)
+    # this thread handed over (its pause a no-op: it ran nothing parallel), then whichever engine
+    # ran first handed over to the other and released its team; the last one keeps its own
+    assert lock.released == released + 2
+    assert _settle(base + 3) == base + 3
+    for e in (a, b):
+        e.do("idle")
+    assert _settle(base + 2) == base + 2
+    for e in (a, b):
+        e.do("stop")
+        e.thread.join(5)
+    assert _settle(base) == base
