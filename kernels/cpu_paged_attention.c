@@ -575,6 +575,11 @@ int gemv_f32(const float *x, const float *w, const float *b, float *y, int64_t M
 #define W8_ROWS 8
 #define W8_COLS 16
 #define W8_KC 512      /* K-chunk of a tile: 8 rows x 512 floats = 16 KB */
+/* software prefetch this many bytes ahead of the block being read: the hardware prefetchers
+ * alone left the one-row loop at ~11.5 GB/s on 2 AVX2 EPYC cores, against ~16 for a plain fp32
+ * read; 1,536 bytes (12 column blocks) ahead measured +12 % and +25 % in two interleaved runs
+ * (384 to 2,048 bytes all helped). Past the last block it reads ahead harmlessly (no fault). */
+#define W8_PREFETCH 1536
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 static inline vec qld(const int8_t *p) {     /* VW int8 -> floats: one sign-extending load + convert */
@@ -604,6 +609,8 @@ int gemv_w8_f32(const float *x, const int8_t *q, const float *scale, const float
             vec a[W8_ROWS] = {{0}};
             for (int64_t c = 0; c < Kp; c += W8_COLS) {
                 const int8_t *p = base + c * W8_ROWS;
+                __builtin_prefetch(p + W8_PREFETCH);
+                __builtin_prefetch(p + W8_PREFETCH + 64);
                 for (int h = 0; h < W8_COLS / VW; h++) {
                     const vec xv = WLD(x + c + h * VW);
                     for (int j = 0; j < W8_ROWS; j++) a[j] += qld(p + j * W8_COLS + h * VW) * xv;
@@ -619,6 +626,8 @@ int gemv_w8_f32(const float *x, const int8_t *q, const float *scale, const float
             const int64_t kc = Kp - k0 < W8_KC ? Kp - k0 : W8_KC;
             for (int64_t c = 0; c < kc; c += W8_COLS) {
                 const int8_t *p = base + (k0 + c) * W8_ROWS;
+                __builtin_prefetch(p + W8_PREFETCH);
+                __builtin_prefetch(p + W8_PREFETCH + 64);
                 for (int j = 0; j < W8_ROWS; j++)
                     for (int h = 0; h < W8_COLS / VW; h++)
                         *(vec *)(tile + j * W8_KC + c + h * VW) = qld(p + j * W8_COLS + h * VW);
