@@ -1,9 +1,12 @@
 """The compute lock releases a thread's OpenMP team when it hands the cores over, and an
-engine's when it goes idle beside other engines (embedserve/engine/compute.py): counted as the process's OS
-threads, since each of torch's OpenMP workers is one."""
+engine's when it goes idle beside other engines (embedserve/engine/compute.py). Each test engine
+names its OS thread; the OpenMP workers it starts inherit the name, so counting the process's
+threads by name counts an engine and its team, whatever other threads the test process runs."""
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import os
 import threading
 import time
@@ -16,19 +19,30 @@ from embedserve.engine.compute import ComputeLock, _find_omp_pause
 pytestmark = pytest.mark.skipif(_find_omp_pause() is None, reason="torch without libgomp")
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+_NAMES = itertools.count()
+_libc = ctypes.CDLL(None)
 
 
-def _base() -> int:
-    """The thread count once it has held still for half a second (an earlier test's threads
-    may still be ending)."""
-    last, since, deadline = _threads(), time.monotonic(), time.monotonic() + 15
-    while time.monotonic() - since < 0.5 and time.monotonic() < deadline:
-        time.sleep(0.02)
-        if (now := _threads()) != last:
-            last, since = now, time.monotonic()
-    return last
+def _name_this_thread(name: str) -> None:
+    _libc.prctl(15, name.encode()[:15], 0, 0, 0)           # PR_SET_NAME: inherited by threads it starts
+
+
+def _threads(name: str) -> int:
+    """OS threads of this process named `name` (an engine thread and its OpenMP workers)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            n += open(f"/proc/self/task/{tid}/comm").read().strip() == name
+        except OSError:                                     # ended meanwhile
+            pass
+    return n
+
+
+def _settle(name: str, expected: int, timeout: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout
+    while _threads(name) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _threads(name)
 
 
 def _parallel_work():
@@ -38,11 +52,6 @@ def _parallel_work():
     return float(x[0])
 
 
-def _settle(expected: int, timeout: float = 5.0) -> int:
-    deadline = time.monotonic() + timeout
-    while _threads() != expected and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return _threads()
 
 
 @pytest.fixture(autouse=True)
@@ -58,11 +67,13 @@ class Engine:
 
     def __init__(self, lock: ComputeLock):
         self.lock, self.todo, self.done = lock, [], threading.Semaphore(0)
+        self.name = f"ctest-{os.getpid() % 1000}-{next(_NAMES)}"
         self.cv = threading.Condition()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
+        _name_this_thread(self.name)
         self.lock.enroll()
         while True:
             with self.cv:
@@ -88,49 +99,51 @@ class Engine:
             assert self.done.acquire(timeout=30)
 
 
+def _team(e: Engine, expected: int) -> bool:
+    """Whether engine `e` settles at `expected` threads: 2 with its team (itself and one worker), 1
+    without, 0 once ended."""
+    return _settle(e.name, expected) == expected
+
+
 def test_one_engine_keeps_its_team():
     lock = ComputeLock()
-    base = _base()
     a = Engine(lock)
     a.do("compute")
-    with_team = _settle(base + 2)
-    assert with_team == base + 2, "the engine thread and its OpenMP worker"
+    assert _team(a, 2), "the engine thread and its OpenMP worker"
     a.do("idle")
     a.do("compute")
-    assert lock.released == 0 and _threads() == base + 2      # alone, nothing is released
+    assert lock.released == 0 and _threads(a.name) == 2       # alone, nothing is released
     a.do("stop")
     a.thread.join(5)
-    assert _settle(base) == base, "an ended thread's team goes with it"
+    assert _team(a, 0), "an ended thread's team goes with it"
 
 
 def test_idle_engines_release_their_teams_beside_other_engines():
     lock = ComputeLock()
-    base = _base()
     a, b = Engine(lock), Engine(lock)
     a.do("compute")
     a.do("idle")                                              # b may compute next: a's team goes
-    assert _settle(base + 2) == base + 2 and lock.released == 1
+    assert _team(a, 1) and lock.released == 1
     a.do("compute")
     b.do("compute")
-    assert _settle(base + 4) == base + 4, "two engine threads, two OpenMP workers"
+    assert _team(a, 2) and _team(b, 2), "two engine threads, two OpenMP workers"
     a.do("idle")
-    assert _settle(base + 3) == base + 3 and lock.released == 2
+    assert _team(a, 1) and _team(b, 2) and lock.released == 2
     a.do("idle")                                              # no team left: nothing to do
     assert lock.released == 2
     b.do("idle")
-    assert _settle(base + 2) == base + 2 and lock.released == 3
+    assert _team(b, 1) and lock.released == 3
     for e in (a, b):
         e.do("stop")
         e.thread.join(5)
-    assert _settle(base) == base
+        assert _team(e, 0)
 
 
 def test_a_thread_handing_the_cores_over_releases_its_team_first():
     lock = ComputeLock()
-    base = _base()
     a, b = Engine(lock), Engine(lock)
     a.do("compute")
-    assert _settle(base + 3) == base + 3, "nobody waited: a keeps its team"
+    assert _team(a, 2), "nobody waited: a keeps its team"
     released = lock.released
     with lock:                                                # hold the cores; a and b queue
         a.do("compute", wait=False)
@@ -143,11 +156,11 @@ def test_a_thread_handing_the_cores_over_releases_its_team_first():
     # this thread handed over (its pause a no-op: it ran nothing parallel), then whichever engine
     # ran first handed over to the other and released its team; the last one keeps its own
     assert lock.released == released + 2
-    assert _settle(base + 3) == base + 3
-    for e in (a, b):
+    assert sorted(_settle(e.name, 99, timeout=0.5) for e in (a, b)) == [1, 2]
+    for e in (a, b):                                          # both idle while both live
         e.do("idle")
-    assert _settle(base + 2) == base + 2
+    assert _team(a, 1) and _team(b, 1)
     for e in (a, b):
         e.do("stop")
         e.thread.join(5)
-    assert _settle(base) == base
+        assert _team(e, 0)
