@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -126,6 +127,12 @@ def test_leases_under_threads_leave_only_the_live_version_open(root):
         t.start()
     for i in range(40):
         live.store.set_current("kb", "v2" if i % 2 == 0 else "v1")
+        threading.Event().wait(0.01)
+    # the last flip (to v1) closes v2 at the next lease: let the workers take some after it (on
+    # loaded cores 10 ms may pass with none)
+    after = len(opened)
+    deadline = time.monotonic() + 30
+    while (len(opened) < after + 8 or opened[-1].version != "v1") and time.monotonic() < deadline:
         threading.Event().wait(0.01)
     stop.set()
     for t in threads:
