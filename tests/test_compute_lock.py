@@ -10,6 +10,7 @@ import itertools
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,9 +31,9 @@ def _name_this_thread(name: str) -> None:
 def _threads(name: str) -> int:
     """OS threads of this process named `name` (an engine thread and its OpenMP workers)."""
     n = 0
-    for tid in os.listdir("/proc/self/task"):
+    for comm in Path("/proc/self/task").glob("*/comm"):
         try:
-            n += open(f"/proc/self/task/{tid}/comm").read().strip() == name
+            n += comm.read_text().strip() == name
         except OSError:                                     # ended meanwhile
             pass
     return n
@@ -50,8 +51,6 @@ def _parallel_work():
     x = torch.ones(4_000_000)
     x.exp_()
     return float(x[0])
-
-
 
 
 @pytest.fixture(autouse=True)
