@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from helpers import BERT_3LABEL_DIR, BERT_RERANKER_DIR, BGE_M3_DIR, XLMR_RERANKER_DIR
 
 from embedserve.config import ServerConfig
-from embedserve.engine.embed_engine import COMPUTE_LOCK
+from embedserve.engine.compute import COMPUTE_LOCK
 from embedserve.models.cross_encoder import CrossEncoderModel
 from embedserve.models.embedding_model import EmbeddingModel
 from embedserve.serve import build_app

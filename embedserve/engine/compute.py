@@ -85,9 +85,9 @@ class ComputeLock:
     def idle(self) -> None:
         """The calling engine has nothing to do: its team goes where other engines may compute."""
         with self._meta:
-            needed = threading.get_ident() in self._teams and len(self._engines) > 1
-        if needed:
-            self._release_team()
+            others = len(self._engines) > 1
+        if others:
+            self._release_team()                # a no-op where this thread holds no team
 
     def _release_team(self) -> None:
         me = threading.get_ident()

@@ -19,8 +19,6 @@ from .engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPUTE_LOCK", "EmbedEngine"]
-
 
 class EmbedEngine(EngineThread):
     """Owns the queue and the model thread."""
