@@ -144,6 +144,18 @@ class ModelEmbedder:
                 outputs[i] = o
         return outputs
 
+    def embed_queries(self, texts: list[str]) -> list[np.ndarray]:
+        """Dense vectors of many queries (query prompt, truncated to the limit), batched under the
+        token budget as documents are: what the gate's overlap check embeds."""
+        ids = [self.model.truncate(x, self.limit) for x in self._tokenize(texts, self.prompts["query"])]
+        lengths = [len(x) for x in ids]
+        dense: list = [None] * len(ids)
+        want = query_types(self.identity, "dense")
+        for batch in token_batches(lengths, self.batch_tokens, sorted(range(len(ids)), key=lengths.__getitem__)):
+            for i, o in zip(batch, self.model.embed([ids[i] for i in batch], want)[0]):
+                dense[i] = np.asarray(o.dense, np.float32)
+        return dense
+
     def embed_query(self, text: str, mode: str) -> tuple[np.ndarray | None, Sparse | None]:
         want = query_types(self.identity, mode)
         out = self.model.embed([self.query_inputs(text)], want)[0][0] if want else None

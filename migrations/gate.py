@@ -114,8 +114,16 @@ def _top_ids(ix: Index, vector, k: int, identity) -> list[str]:
 def _overlap(old: Index, new: Index, old_embedder, new_embedder, queries: list[str]) -> float:
     """Mean |top10(old) ∩ top10(new)| / 10 over `queries`, each embedded by its version's model."""
     scores = []
-    for q in queries:
-        a = _top_ids(old, old_embedder.embed_query(q, "dense")[0], 10, old_embedder.identity)
-        b = _top_ids(new, new_embedder.embed_query(q, "dense")[0], 10, new_embedder.identity)
+    for qa, qb in zip(_query_vectors(old_embedder, queries), _query_vectors(new_embedder, queries)):
+        a = _top_ids(old, qa, 10, old_embedder.identity)
+        b = _top_ids(new, qb, 10, new_embedder.identity)
         scores.append(len(set(a) & set(b)) / max(min(10, len(a)), 1))
     return float(np.mean(scores)) if scores else 1.0
+
+
+def _query_vectors(embedder, queries: list[str]) -> list:
+    """Dense query vectors, in batches where the embedder can (`embed_queries`), else one by one."""
+    batched = getattr(embedder, "embed_queries", None)
+    if batched is not None:
+        return batched(queries)
+    return [embedder.embed_query(q, "dense")[0] for q in queries]

@@ -213,7 +213,7 @@ def reindex_cli(root: Path, *extra: str) -> subprocess.Popen:
     """`embedserve reindex --index wiki --to-model multilingual-e5-small` on `root`, running (output piped)."""
     return subprocess.Popen([sys.executable, "-m", "embedserve.cli", "reindex", "--index", "wiki",
                              "--to-model", "multilingual-e5-small", "--dtype", "float32", "--index-dir", str(root),
-                             "--batch-docs", "20", "--sample", "200", *extra],
+                             "--batch-docs", "20", "--sample", "50", *extra],
                             env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -1,4 +1,4 @@
-"""`embedserve reindex`: a real index of 300 Wikipedia summaries built with all-MiniLM-L6-v2 is
+"""`embedserve reindex`: a real index of 150 Wikipedia summaries built with all-MiniLM-L6-v2 is
 migrated to multilingual-e5-small — writes made meanwhile carried over, the gate, the atomic
 swap, a retired old version refusing writes, rollback, the ledger — and the migration killed
 with SIGKILL at 10 %, 50 % and 99 % resumes to the same result, embedding each document about once."""
@@ -28,7 +28,7 @@ from migrations.reindex import CHECKPOINT, reindex, rollback, writes_since_swap
 
 from helpers import build_wiki_index, copy_index, reindex_cli, wiki_docs
 
-N_DOCS = 300
+N_DOCS = 150
 
 
 def _wiki_docs(n: int = N_DOCS) -> list[Document]:
@@ -37,7 +37,7 @@ def _wiki_docs(n: int = N_DOCS) -> list[Document]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, minilm_model):
-    """A MiniLM index of the 300 documents (copied per test that changes it)."""
+    """A MiniLM index of the 150 documents (copied per test that changes it)."""
     root = tmp_path_factory.mktemp("src")
     store = IndexStore(root)
     emb = ModelEmbedder(minilm_model)
@@ -64,7 +64,7 @@ def in_process(built, tmp_path_factory, e5_model):
     """The vectors of an uninterrupted in-process reindex to e5 (the reference for the kill and
     Ray tests)."""
     ref = _copy(built, tmp_path_factory.mktemp("ref"))
-    reindex(ref, "wiki", ModelEmbedder(e5_model), batch_docs=20, sample=200)
+    reindex(ref, "wiki", ModelEmbedder(e5_model), batch_docs=20, sample=50)
     return _vectors(ref)
 
 
@@ -83,7 +83,7 @@ def test_reindex_swap_rollback_and_ledger(built, tmp_path, minilm_model, e5_mode
             upsert_documents(live, [Document(_wiki_docs()[3].id, "A replaced text about glaciers in Norway.", {})], old)
             live.delete([_wiki_docs()[5].id])
 
-    entry = reindex(store, "wiki", new, batch_docs=64, old_embedder=old, on_batch=write_meanwhile)
+    entry = reindex(store, "wiki", new, batch_docs=64, sample=50, old_embedder=old, on_batch=write_meanwhile)
     assert entry["swapped"] and store.current("wiki") == "v2" and entry["parent"] == "v1"
     assert entry["gate"]["ok"] and entry["gate"]["self_hit_rate"] >= 0.99 and entry["documents"] == N_DOCS
     assert entry["gate"]["top10_overlap"] is not None
@@ -146,7 +146,7 @@ class _Random:
 def test_gate_refuses_corrupt_vectors_and_the_live_version_keeps_serving(built, tmp_path, minilm_model, e5_model):
     store = _copy(built, tmp_path)
     with pytest.raises(GateFailed) as exc:
-        reindex(store, "wiki", _Random(ModelEmbedder(e5_model)), batch_docs=128, sample=200)
+        reindex(store, "wiki", _Random(ModelEmbedder(e5_model)), batch_docs=128, sample=50)
     assert "self_hit" in exc.value.message and not exc.value.report.ok
     assert store.current("wiki") == "v1"
     with store.open("wiki") as ix:
@@ -247,7 +247,7 @@ def test_swap_under_load_every_answer_from_one_model_version_pair(tmp_path, e5_m
         with Client(base) as c:
             assert [m["id"] for m in c.models()["data"]] == ["all-MiniLM-L6-v2", "multilingual-e5-small"]
             c.index("live").create(model="all-MiniLM-L6-v2")
-            docs = _wiki_docs(160)
+            docs = _wiki_docs(100)
             c.ingest("live", [{"id": d.id, "text": d.text} for d in docs])
         seen, stop = [], threading.Event()
 
@@ -256,11 +256,12 @@ def test_swap_under_load_every_answer_from_one_model_version_pair(tmp_path, e5_m
                 while not stop.is_set():
                     r = h.post("/v1/search", json={"index": "live", "query": docs[k * 7].text[:80], "top_k": 3})
                     seen.append((r.status_code, r.json().get("model"), r.json().get("version")))
+                    time.sleep(0.05)         # steady load that leaves the in-process reindex some CPU
         threads = [threading.Thread(target=search, args=(k,)) for k in range(4)]
         for t in threads:
             t.start()
         time.sleep(1.0)
-        entry = reindex(IndexStore(root), "live", ModelEmbedder(e5_model), batch_docs=40, sample=100)
+        entry = reindex(IndexStore(root), "live", ModelEmbedder(e5_model), batch_docs=40, sample=50)
         after = len(seen)
         time.sleep(1.5)
         stop.set()
@@ -351,3 +352,15 @@ def test_cli_errors_name_what_to_change(small, tmp_path):
     rc, err = run("--index", "wiki", "--rollback")
     assert rc != 0 and "Traceback" not in err and "roll" in err.lower(), err
     assert IndexStore(root).current("wiki") == "v1"
+
+
+def test_the_gates_batched_queries_equal_one_query_at_a_time(e5_model):
+    """The overlap check embeds its sample queries in token-budget batches (`embed_queries`):
+    the vectors equal `embed_query`'s one at a time (query prompt, truncation past the limit)."""
+    emb = ModelEmbedder(e5_model)
+    texts = ["Which river flows through Vienna?", "长江流经上海。", _wiki_docs(3)[2].text, "word " * 900]
+    batched = emb.embed_queries(texts)
+    assert len(batched) == len(texts)
+    for text, v in zip(texts, batched):
+        one = emb.embed_query(text, "dense")[0]
+        assert v.shape == one.shape == (384,) and float(np.abs(v - one).max()) <= 1e-5
