@@ -7,11 +7,12 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from . import compute
+
+if TYPE_CHECKING:                    # torch is imported where it is used: `kernels.compute` (the
+    import torch                     # compute-path switches every CLI command reads) stays light
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ def attention_backend(name: str | None = None) -> AttentionBackend:
     (`kernels.compute`: --attention-backend, EMBEDSERVE_ATTENTION_BACKEND), overrides the choice. "triton" without a GPU runs the kernels
     in Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is first
     imported (tests do this); triton is imported only when this backend is chosen."""
+    import torch
+
     chosen = (name or compute.current().attention_backend).strip().lower()
     if chosen == "auto":
         chosen = "triton" if torch.cuda.is_available() else "reference"
@@ -48,6 +51,8 @@ def attention_backend(name: str | None = None) -> AttentionBackend:
 @functools.cache
 def _load(name: str) -> AttentionBackend:
     """Import a backend once (the engine asks on every layer of every step)."""
+    import torch
+
     if name == "reference":
         from . import reference as impl
         store = impl.store_kv
@@ -61,8 +66,7 @@ def _load(name: str) -> AttentionBackend:
     return AttentionBackend(name, store, impl.paged_decode_attention, impl.paged_prefill_attention)
 
 
-_KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                    "fp8": torch.float8_e4m3fn}
+_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "fp8")       # fp8: torch.float8_e4m3fn
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device,
@@ -75,6 +79,8 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device,
     keeps them within e4m3's range (|x| <= 448) for the models this serves, at ~2 significant
     digits; it needs compute capability >= 8.9 (Ada, Hopper and later), the first with fp8
     conversion instructions, as vLLM requires."""
+    import torch
+
     device = torch.device(device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     where = f"{device} has compute capability {capability[0]}.{capability[1]}" if capability else f"device is {device}"
@@ -91,4 +97,4 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device,
                          f"(Ada/Hopper or later); the {where}")
     if kv_cache_dtype == "bfloat16" and capability is not None and capability < (8, 0):
         raise ValueError(f"kv_cache_dtype bfloat16 needs compute capability >= 8.0 on a GPU; the {where}")
-    return _KV_CACHE_DTYPES[kv_cache_dtype]
+    return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else getattr(torch, kv_cache_dtype)

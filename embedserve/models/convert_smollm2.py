@@ -18,12 +18,14 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> Path:
-    """Dequantize `gguf_file` with transformers and write config, safetensors and tokenizer."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantize `gguf_file` with transformers and write config, safetensors and tokenizer
+    (torch and transformers are imported only when it has not been done yet)."""
 
     def build(tmp: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         logger.info("converting %s to %s (once)", src_dir / gguf_file, out_dir)
         tok = AutoTokenizer.from_pretrained(str(src_dir), gguf_file=gguf_file)
         model = AutoModelForCausalLM.from_pretrained(str(src_dir), gguf_file=gguf_file, dtype=torch.float32)
