@@ -23,12 +23,16 @@ from embedserve.serve import build_app
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(smollm2, minilm_model, tmp_path_factory):
+def fuzz_server(smollm2, smollm2_dir, minilm_model, tmp_path_factory):
     """The app on a real uvicorn server in a thread (one lifespan for the whole module): MiniLM,
     the tiny BERT cross-encoder (the rerank routes' default), SmolLM2."""
     from embedserve.models.cross_encoder import CrossEncoderModel
     reranker = CrossEncoderModel(BERT_RERANKER_DIR, name="tiny-bert-reranker", dtype="float32")
-    eng = make_decode_engine(smollm2, num_blocks=64, max_model_len=48, max_num_seqs=8)   # short answers
+    # the int8 weight-only decoder (its own gated path; ~3x the fp32 decode on the AVX2 kind):
+    # this checks the HTTP contract, not numerics, and most of the module's time is generation
+    from embedserve.models.llama import LlamaModel
+    int8 = LlamaModel.from_dir(smollm2_dir, linear_weights="int8")
+    eng = make_decode_engine((int8, smollm2[1]), num_blocks=64, max_model_len=48, max_num_seqs=8)   # short answers
     gen = Generator(name="SmolLM2-135M-Instruct", engine=eng, tokenizer=smollm2[1])
     cfg = ServerConfig.of(model="all-MiniLM-L6-v2", index_dir=str(tmp_path_factory.mktemp("fuzz-indexes")),
                        max_client_batch_size=64)

@@ -41,7 +41,7 @@ def wiki(pg_url, minilm_model):
 def command(url: str, *args: str, batch: int = 10) -> list[str]:
     cmd = [sys.executable, "-m", "embedserve.cli", *args, "--index-url", url]
     if args[0] == "reindex":
-        cmd += ["--dtype", "float32", "--batch-docs", str(batch), "--sample", "60"]
+        cmd += ["--dtype", "float32", "--batch-docs", str(batch), "--sample", "30"]
     return cmd
 
 
