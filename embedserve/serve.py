@@ -73,10 +73,15 @@ def build_app(config: ServerConfig, model: EmbeddingModel | list[EmbeddingModel]
     start-up (the server answers /health at once; /ready turns 200 once all models are warm)."""
 
     def load(state: AppState) -> None:
-        try:
+        try:                            # a server told to stop meanwhile starts no engine
             if gen_loader is not None:
-                attach_generator(state, gen_loader())
-            attach_embedders(state, loader())
+                gen = gen_loader()
+                if state.draining:
+                    return
+                attach_generator(state, gen)
+            models = loader()
+            if not state.draining:
+                attach_embedders(state, models)
         except BaseException as exc:  # reported through /ready and the callback
             logger.exception("model failed to load")
             state.load_error = f"{type(exc).__name__}: {exc}"
@@ -89,7 +94,8 @@ def build_app(config: ServerConfig, model: EmbeddingModel | list[EmbeddingModel]
         if model is not None:
             attach_embedders(state, model)
         elif loader is not None:
-            threading.Thread(target=load, args=(state,), name="model-loader", daemon=True).start()
+            state.loader = threading.Thread(target=load, args=(state,), name="model-loader", daemon=True)
+            state.loader.start()
 
     return create_app(AppState(config=config), start)
 

@@ -230,6 +230,27 @@ def test_hnsw_index_and_rrf_fusion_through_the_api_and_live_counts(server):
 
 # ----------------------------------------------------------------------------- graceful stop
 @pytest.mark.server
+def test_sigterm_while_the_models_load_exits_0_and_starts_no_engine(tmp_path):
+    """SIGTERM once the port answers but before the models are ready (the default three: they
+    load on a thread): a clean exit 0 with nothing served - not an abort of the interpreter's
+    teardown under the loading thread (status 134, "terminate called without an active exception")."""
+    srv = spawn_server("--dtype", "float32", "--index-dir", str(tmp_path), "--log-level", "info", ready=False)
+    try:
+        deadline = time.time() + 120        # the decoder loads first: then the encoders are loading
+        while "generation model SmolLM2-135M-Instruct loaded" not in srv.output() and time.time() < deadline:
+            assert srv.proc.poll() is None, srv.output()[-3000:]
+            time.sleep(0.02)
+        assert httpx.get(srv.base + "/ready", timeout=5).status_code == 503, "the models loaded too soon"
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(120) == 0, srv.output()[-3000:]
+        out = srv.output()
+        assert "terminate called" not in out and "Traceback" not in out, out[-3000:]
+        assert "model multilingual-e5-small ready" not in out, out[-3000:]    # no engine started after the signal
+    finally:
+        srv.kill()
+
+
+@pytest.mark.server
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path):
     from index.store import IndexStore
     from index.verify import verify_index

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class AppState:
     draining: bool = False              # SIGTERM seen: /ready 503, new requests 503, in-flight ones finish
     inflight: int = 0                   # requests being answered (the middleware counts them)
     health_logged: str | None = None    # the last unhealthy cause logged
+    loader: threading.Thread | None = None  # the thread loading the models at start-up, if any
     created: int = field(default_factory=lambda: int(time.time()))
     indexes: LiveIndexes = field(init=False)
     keys: KeyRing = field(init=False, repr=False)       # the accepted API keys (ConfigError at start)

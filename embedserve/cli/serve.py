@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from ..config import ServerConfig, config_fields, env_default, field_default, flag
 from ..errors import ConfigError
@@ -155,7 +156,18 @@ def cmd_serve(args) -> int:
                             state=app.state.embedserve, timeout=http.shutdown_timeout)
     server_box["server"] = server
     server.run()
-    return 1 if server_box.get("failed") else 0
+    code = 1 if server_box.get("failed") else 0
+    loader = app.state.embedserve.loader
+    if loader is not None and loader.is_alive():
+        # stopped while the models were still loading: nothing is served or written yet, and the
+        # interpreter's teardown under a thread inside torch aborts the process ("terminate called
+        # without an active exception", status 134) - so leave without it
+        logger.info("stopped while the models were loading")
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+    return code
 
 
 def cmd_plan(args) -> int:
