@@ -234,7 +234,8 @@ def test_sigterm_while_the_models_load_exits_0_and_starts_no_engine(tmp_path):
     """SIGTERM once the port answers but before the models are ready (the default three: they
     load on a thread): a clean exit 0 with nothing served - not an abort of the interpreter's
     teardown under the loading thread (status 134, "terminate called without an active exception")."""
-    srv = spawn_server("--dtype", "float32", "--index-dir", str(tmp_path), "--log-level", "info", ready=False)
+    srv = spawn_server("--dtype", "float32", "--decode-weights", "native", "--index-dir", str(tmp_path),
+                       "--log-level", "info", ready=False)
     try:
         deadline = time.time() + 120        # the decoder loads first: then the encoders are loading
         while "generation model SmolLM2-135M-Instruct loaded" not in srv.output() and time.time() < deadline:
