@@ -125,36 +125,28 @@ class ModelEmbedder:
     # ------------------------------------------------------ index.Embedder, in process
     def embed_documents(self, texts: list[str]) -> DocumentVectors:
         ids, cut = self.passage_inputs(texts)
-        lengths = [len(x) for x in ids]
-        outputs: list = [None] * len(ids)
-        want = document_types(self.identity)
-        for batch in token_batches(lengths, self.batch_tokens, sorted(range(len(ids)), key=lengths.__getitem__)):
-            outs, _ = self.model.embed([ids[i] for i in batch], want)
-            for i, o in zip(batch, outs):
-                outputs[i] = o
+        outputs = self._embed_in_batches(self.model, ids, document_types(self.identity))
         sparse = self._sparse_outputs(texts) if self.identity.paired else None
         return self.document_vectors(outputs, texts, cut, sparse)
 
     def _sparse_outputs(self, texts: list[str]) -> list:
-        ids = self.sparse_inputs(texts)
-        lengths = [len(x) for x in ids]
-        outputs: list = [None] * len(ids)
-        for batch in token_batches(lengths, self.batch_tokens, sorted(range(len(ids)), key=lengths.__getitem__)):
-            for i, o in zip(batch, self.sparse_model.embed([ids[i] for i in batch], {"sparse"})[0]):
-                outputs[i] = o
-        return outputs
+        return self._embed_in_batches(self.sparse_model, self.sparse_inputs(texts), {"sparse"})
 
     def embed_queries(self, texts: list[str]) -> list[np.ndarray]:
         """Dense vectors of many queries (query prompt, truncated to the limit), batched under the
         token budget as documents are: what the gate's overlap check embeds."""
         ids = [self.model.truncate(x, self.limit) for x in self._tokenize(texts, self.prompts["query"])]
+        outputs = self._embed_in_batches(self.model, ids, query_types(self.identity, "dense"))
+        return [np.asarray(o.dense, np.float32) for o in outputs]
+
+    def _embed_in_batches(self, model, ids: list[list[int]], want) -> list:
+        """`model`'s outputs for `ids`, in their order, from length-sorted batches under the token budget."""
         lengths = [len(x) for x in ids]
-        dense: list = [None] * len(ids)
-        want = query_types(self.identity, "dense")
+        outputs: list = [None] * len(ids)
         for batch in token_batches(lengths, self.batch_tokens, sorted(range(len(ids)), key=lengths.__getitem__)):
-            for i, o in zip(batch, self.model.embed([ids[i] for i in batch], want)[0]):
-                dense[i] = np.asarray(o.dense, np.float32)
-        return dense
+            for i, o in zip(batch, model.embed([ids[i] for i in batch], want)[0]):
+                outputs[i] = o
+        return outputs
 
     def embed_query(self, text: str, mode: str) -> tuple[np.ndarray | None, Sparse | None]:
         want = query_types(self.identity, mode)
