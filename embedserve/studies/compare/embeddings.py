@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -49,6 +50,15 @@ def embed_served(system: str, base: str, model: str, data: Path, runs: int) -> d
     return out
 
 
+def _served_pass(base: str, model: str, data: Path) -> float:
+    """One pass of the 32 texts/request × 8 clients workload over the corpus's first 384 texts
+    (the in-process texts); input tokens/s."""
+    _, per_req, conc, n = EMBED_WORKLOADS[2]
+    r, = drive("embed", base, model, data, "--batch-size", str(per_req), "--max-concurrency", str(conc),
+               "--num-requests", str(n), "--warmup", "0")
+    return r["metrics"]["input_token_throughput"]
+
+
 def embed_sweep(base: str, model: str, data: Path, saturation: float) -> list[dict]:
     """Poisson arrivals (1 text per request) at fractions of the measured saturation rate."""
     rates = [round(saturation * f, 1) for f in (0.25, 0.5, 0.75, 1.0, 1.25)]
@@ -74,11 +84,14 @@ def st_offline(path: Path, dtype: str, texts: list[str], runs: int) -> dict:
     return {"texts_per_s": len(texts) / med(times)}
 
 
-def encoder_in_process(path: Path, name: str, dtype: str, texts: list[str], runs: int) -> dict:
+def encoder_in_process(path: Path, name: str, dtype: str, texts: list[str], runs: int,
+                       served: Callable[[], float] | None = None) -> dict:
     """Encoder alone, in process, same texts and precision: ours (length-sorted batches under a
     4,096-token budget, as the server forms them) vs Hugging Face transformers' AutoModel
     (length-sorted batches of 32, padded per batch, SDPA), timed alternately. Tokens/s of real
-    tokens, medians."""
+    tokens, medians. `served`, where given, is one pass of our (idle) server over the same texts
+    returning its tokens/s: it takes its turn in the same rounds, so the server's share of in
+    process compares passes seconds apart, not blocks minutes apart."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -111,16 +124,24 @@ def encoder_in_process(path: Path, name: str, dtype: str, texts: list[str], runs
     sides = (("ours", run_ours), ("transformers", run_hf))
     for _, fn in sides:
         fn()                                                      # warm-up
-    # alternated, ours then transformers, `runs` + 2 times: the machine's speed drifts by 10-25 %
-    # within minutes, and one side timed in a block of its own would take a slow phase alone
+    # alternated, ours then transformers (then the server), `runs` + 2 times: the machine's speed
+    # drifts by 10-25 % within minutes, and one side timed in a block of its own would take a slow
+    # phase alone
     times: dict[str, list[float]] = {label: [] for label, _ in sides}
+    served_rates, shares = [], []
     for _ in range(runs + 2):
         for label, fn in sides:
             t0 = time.perf_counter()
             fn()
             times[label].append(time.perf_counter() - t0)
+        if served is not None:
+            served_rates.append(served())
+            shares.append(served_rates[-1] / (tokens / times["ours"][-1]))
     for label, _ in sides:
         out[label] = {"tokens_per_s": tokens / med(times[label])}
+    if served is not None:
+        out["served"] = {"tokens_per_s": med(served_rates), "share_of_in_process": med(shares),
+                         "shares": shares}
     out["precision"] = {"ours": ours_model.precision, "transformers": str(tdtype).removeprefix("torch.")}
     out["ratio"] = out["ours"]["tokens_per_s"] / out["transformers"]["tokens_per_s"]
     log(f"  in process {out['precision']}: ours {out['ours']['tokens_per_s']:.0f} tokens/s, transformers "
@@ -146,11 +167,13 @@ def bench_embeddings(runs: int, work: Path) -> dict:
                 if dtype == "auto":
                     sat = res["ours"][key]["1 text/request, 32 clients"]["texts_per_s"]
                     res["sweep"]["ours"] = embed_sweep(base, name, data, sat)
-            # the encoder in process and the matmul rate right after the served runs of the same
-            # precision: this shared machine's speed moves by 10-15 % within minutes, and these
-            # three are compared with one another (server share, fraction of the ceiling)
-            ip_key = "float32" if resolved == "float32" else "auto"
-            res["in_process"][ip_key] = encoder_in_process(path, name, dtype, texts[:384], runs)
+                # the encoder in process and the matmul rate right after the served runs of the same
+                # precision, the server (idle meanwhile) taking its turn in the in-process rounds on
+                # the same 384 texts: this shared machine's speed moves by 10-15 % within minutes,
+                # and these three are compared with one another (server share, fraction of the ceiling)
+                ip_key = "float32" if resolved == "float32" else "auto"
+                res["in_process"][ip_key] = encoder_in_process(
+                    path, name, dtype, texts[:384], runs, served=lambda: _served_pass(base, name, data))
             prec = res["in_process"][ip_key]["precision"]["ours"]
             shape = ceiling_shape(path)
             res["in_process"][ip_key]["matmul_shape"] = list(shape)
