@@ -144,3 +144,18 @@ def test_commands_that_need_no_model_answer_without_importing_torch(tmp_path):
                      (["serve", "--max-batch-tokens", "-5"], 2)):
         r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
         assert r.stdout.split()[-2:] == ["False", str(rc)], (argv, r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_the_faiss_loaders_info_lines_are_quiet_below_debug(level):
+    # faiss-cpu's loader logs "Could not load library with AVX2 support ... No module named
+    # 'faiss.swigfaiss_avx2'" at INFO on every start where its wheel ships one library; serve and
+    # reindex show it only at --log-level debug
+    code = f"from embedserve.cli.logs import setup_logging; setup_logging({level!r}); import faiss"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if "faiss.loader" in x]
+    if level == "debug":
+        assert lines, r.stderr           # the loader does log, and this test would see it
+    else:
+        assert lines == [], lines

@@ -67,7 +67,8 @@ def _embedder(model: str, dtype: str, sparse_model: str | None = None, prompts: 
 def cmd_reindex(args) -> int:
     from migrations import for_store
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .logs import setup_logging
+    setup_logging(logging.INFO)
     try:
         store = store_from_args(args)
         reindex = for_store(store).reindex

@@ -57,11 +57,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 def prepare(cfg: ServerConfig) -> tuple[list[str], list, tuple | None]:
     """Everything that can refuse the configuration, before any weight loads or port is bound:
     the compute paths set for this process, the index root writable, each model resolved and
@@ -127,7 +122,8 @@ def cmd_serve(args) -> int:
     from ..models.cross_encoder import load_model
     from ..serve import DrainingServer, build_app, load_generator
 
-    _setup_logging(cfg.http.log_level)
+    from .logs import setup_logging
+    setup_logging(cfg.http.log_level)
     lines, resolved, decoder = prepare(cfg)
     for line in lines:
         logger.info("%s", line)
