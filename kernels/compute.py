@@ -43,7 +43,8 @@ class ComputePaths:
     decode_gemv: bool = field(default=True, metadata={
         "help": "decode steps of up to 32 sequences take the C GEMV on row-major weights (fp32 CPU)"})
     fused_decode: bool = field(default=True, metadata={
-        "help": "a float32 decode step's layers in one C call (kernels/cpu_decode.py) instead of one call per op"})
+        "help": "a decode step's layers in one C call (kernels/cpu_decode.py) instead of one call per op: "
+                "float32, or bfloat16 with --decode-weights int8"})
     int8_kernel: str = field(default="auto", metadata={
         "choices": ("auto", "int_mm", "fbgemm"),
         "help": "int8 matmul for --dtype int8: int_mm (VNNI), fbgemm (AVX2), auto (by the CPU's flags)"})

@@ -1,7 +1,9 @@
 """One C call for a whole decode step's layers (`decode_forward_f32` in cpu_paged_attention.c):
 float32 activations, every sequence bringing one token, each linear fp32 row-major (`gemv`) or
-int8 blocked (`gemv_w8`). The same kernels in the same order as the per-op glue path
-(`LlamaModel._forward_glue`), so the same numbers; what goes is the interpreter between them.
+int8 blocked (`gemv_w8`); or bfloat16 activations and K/V with every linear int8
+(`decode_forward_bf16`: a bf16 model decoding with `--decode-weights int8`). The same kernels in
+the same order as the per-op glue path (`LlamaModel._forward_glue`), so the same numbers; what
+goes is the interpreter between them.
 
 `DecodeLayers` holds the per-layer descriptors (pointers into tensors the model keeps alive)
 built once at load; `forward` takes the step's tensors.
@@ -26,25 +28,32 @@ _I = ctypes.c_int64
 # x, out, linears, norms, k caches, v caches, cos, sin, slots; num_slots, block tables, their stride, context
 # lens; T, H, I, L, nh, kvh, hd, block size; eps, scale; scratch; threads
 _ARGS = [_P] * 9 + [_I, _P, _I, _P] + [_I] * 8 + [ctypes.c_float, ctypes.c_float, _P, ctypes.c_int]
+# bf16: the same, with two scratch buffers (bf16 intermediates, float32 linear input and output)
+_ARGS_BF16 = _ARGS[:-1] + [_P, ctypes.c_int]
+_FNS = {torch.float32: ("decode_forward_f32", _ARGS), torch.bfloat16: ("decode_forward_bf16", _ARGS_BF16)}
 
 
-def _lib():
+def _fn(dtype: torch.dtype):
     lib, why = cpu_attention._library()
     if lib is None:
-        return None, why
-    fn = lib.decode_forward_f32
+        raise RuntimeError(f"the CPU kernels are not available: {why}")
+    name, args = _FNS[dtype]
+    fn = getattr(lib, name)
     if fn.argtypes is None:
-        fn.argtypes, fn.restype = _ARGS, ctypes.c_int
-    return lib, None
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return fn
 
 
 def linear_descriptor(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
-                      scale: torch.Tensor | None = None, out_features: int = 0) -> _Linear | None:
-    """A float32 row-major (N, K) `weight`, or the int8 `packed` (pack_w8) with its `scale`; None
-    where the fused step cannot take it (another dtype, an int8 K not a multiple of 16)."""
+                      scale: torch.Tensor | None = None, out_features: int = 0, in_features: int = 0
+                      ) -> _Linear | None:
+    """A float32 row-major (N, K) `weight`, or the int8 `packed` (pack_w8) of an (out_features,
+    in_features) weight with its `scale`; None where the fused step cannot take it (another dtype;
+    an int8 K not a multiple of 16, whose packed rows are longer than the activations the step
+    passes)."""
     b = 0 if bias is None else bias.data_ptr()
     if packed is not None:
-        if packed.shape[1] % cpu_attention.W8_COLS or bias is not None and bias.dtype != torch.float32:
+        if in_features != packed.shape[1] or bias is not None and bias.dtype != torch.float32:
             return None
         return _Linear(packed.data_ptr(), scale.data_ptr(), b, out_features, packed.shape[1], 1)
     if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous() \
@@ -55,10 +64,16 @@ def linear_descriptor(weight: torch.Tensor | None, bias: torch.Tensor | None, pa
 
 class DecodeLayers:
     """The fused step's view of a decoder: 4 linears (qkv, o, gate|up, down) and 2 norms per
-    layer, the final norm, the caches. `keep` holds every tensor a pointer points into."""
+    layer, the final norm (in the activations' dtype), the caches. `keep` holds every tensor a
+    pointer points into. bfloat16 activations take int8 linears only."""
 
     def __init__(self, linears: list[_Linear], norms: list[torch.Tensor], kv_caches, hidden: int,
                  intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, keep: list):
+        self.dtype = kv_caches[0][0].dtype
+        if self.dtype not in _FNS or any(t.dtype != self.dtype for t in norms) \
+                or self.dtype != torch.float32 and any(lin.kind != 1 for lin in linears):
+            raise ValueError("the one-call step takes float32, or bfloat16 with int8 linears, norms and "
+                             "caches in that dtype")
         self.num_layers = len(norms) // 2
         self.lins = (_Linear * len(linears))(*linears)
         self.norms = (ctypes.c_void_p * len(norms))(*[t.data_ptr() for t in norms])
@@ -72,25 +87,31 @@ class DecodeLayers:
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """x (T, H) float32 (the embedding rows; updated in place as the residual stream), cos/sin
-        (T, hd / 2) float32 -> the final normed hidden (T, H)."""
-        lib, why = _lib()
-        if lib is None:
-            raise RuntimeError(f"the CPU kernels are not available: {why}")
+        """x (T, H) in the caches' dtype (the embedding rows; updated in place as the residual
+        stream), cos/sin (T, hd / 2) float32 -> the final normed hidden (T, H)."""
+        if x.dtype != self.dtype:
+            raise ValueError(f"the one-call step was built for {self.dtype} activations, not {x.dtype}")
+        fn = _fn(self.dtype)
         T = x.shape[0]
         slots = slots.to(torch.int64).contiguous()          # bounds checked by rope_store (code -3)
         bt = block_tables.to(torch.int32).contiguous()
         ctx = context_lens.to(torch.int32).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         qkv_w = (self.nh + 2 * self.kvh) * self.hd
-        scratch = torch.empty(T * (2 * self.H + qkv_w + 2 * self.nh * self.hd + 3 * self.I), dtype=torch.float32)
+        # the intermediates in the activations' dtype: h, qkv, q, o, gate|up, SiLU * up, the residual
+        scratch = torch.empty(T * (2 * self.H + qkv_w + 2 * self.nh * self.hd + 3 * self.I), dtype=self.dtype)
         out = torch.empty_like(x)
-        rc = lib.decode_forward_f32(
-            x.data_ptr(), out.data_ptr(), ctypes.addressof(self.lins), ctypes.addressof(self.norms),
-            ctypes.addressof(self.k), ctypes.addressof(self.v), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            self.num_slots, bt.data_ptr(), bt.shape[1], ctx.data_ptr(), T, self.H, self.I, self.num_layers,
-            self.nh, self.kvh, self.hd, self.block_size, float(self.eps), float(self.hd ** -0.5),
-            scratch.data_ptr(), torch.get_num_threads())
+        args = [x.data_ptr(), out.data_ptr(), ctypes.addressof(self.lins), ctypes.addressof(self.norms),
+                ctypes.addressof(self.k), ctypes.addressof(self.v), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                self.num_slots, bt.data_ptr(), bt.shape[1], ctx.data_ptr(), T, self.H, self.I, self.num_layers,
+                self.nh, self.kvh, self.hd, self.block_size, float(self.eps), float(self.hd ** -0.5),
+                scratch.data_ptr()]
+        if self.dtype == torch.bfloat16:          # one linear's float32 input and output rows
+            wide = torch.empty(T * (max(self.H, self.nh * self.hd, self.I) + max(qkv_w, self.H, 2 * self.I)),
+                               dtype=torch.float32)
+            args.append(wide.data_ptr())
+        rc = fn(*args, torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(f"cpu decode_forward failed (code {rc}: -3 is a slot outside the cache)")
+            raise RuntimeError(f"cpu decode_forward failed (code {rc}: -3 is a slot outside the cache, "
+                               "-4 a linear that is not int8 beside bf16 activations)")
         return out

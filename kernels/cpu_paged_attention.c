@@ -1,9 +1,9 @@
 /* CPU kernels: paged decode attention, encoder attention over packed sequences, the encoder's
  * residual add + LayerNorm in one pass, the decoder's glue (RMSNorm, RoPE + K/V store,
  * SiLU * up), a small-batch linear (gemv_f32), its weight-only int8 twin (gemv_w8_f32) and a whole
- * decode step's layers in one call (decode_forward_f32), in that order. Vectors are of the machine's
- * width (VW floats: 16 with AVX-512, 8 otherwise); GCC's generic 16-float vectors on an
- * AVX2-only CPU went through the stack.
+ * decode step's layers in one call (decode_forward_f32; decode_forward_bf16 with int8 weights), in
+ * that order. Vectors are of the machine's width (VW floats: 16 with AVX-512, 8 otherwise); GCC's
+ * generic 16-float vectors on an AVX2-only CPU went through the stack.
  *
  * Paged decode attention: one query token per sequence reads its K/V straight from
  * the paged cache through its block table (no gather copy), all query heads of a KV head at
@@ -696,5 +696,55 @@ int decode_forward_f32(float *x, float *out, const es_linear *lins, const float 
         r = res;
     }
     if (!rc) rc = rms_norm_f32(x, r, norms[2 * L], out, T, H, eps, threads);
+    return rc;
+}
+
+/* The same step with bfloat16 activations and K/V cache (a bf16 model decoding with int8
+ * weights, `--decode-weights int8`): the bf16 glue kernels, and each linear int8 (kind 1 only;
+ * oneDNN keeps native bf16 weights) on its input rows widened to float32, its output rounded
+ * to bf16 (nearest even) - what `kernels.cpu_attention.gemv_w8` does from Python, so the step
+ * equals the per-op path to the bit. s16 holds the bf16 intermediates (as decode_forward_f32's
+ * scratch), s32 one linear's float input (T x max(H, nh hd, I)) and output (T x max(qkv, H, 2I)).
+ * Returns -4 for a linear that is not int8. */
+static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+static int es_linear_bf16(const es_linear *l, const uint16_t *x, uint16_t *y, int64_t M, float *xf, float *yf,
+                          int threads) {
+    if (l->kind != 1) return -4;
+    const int64_t nk = M * l->k, nn = M * l->n;
+    for (int64_t i = 0; i < nk; i++) xf[i] = bf16_to_f32(x[i]);
+    const int rc = gemv_w8_f32(xf, (const int8_t *)l->w, l->scale, l->bias, yf, M, l->n, l->k, threads);
+    if (!rc)
+        for (int64_t i = 0; i < nn; i++) y[i] = f32_to_bf16(yf[i]);
+    return rc;
+}
+
+int decode_forward_bf16(uint16_t *x, uint16_t *out, const es_linear *lins, const uint16_t *const *norms,
+                        uint16_t *const *k_caches, uint16_t *const *v_caches, const float *cos_t, const float *sin_t,
+                        const int64_t *slots, int64_t num_slots, const int32_t *block_tables, int64_t bt_stride,
+                        const int32_t *context_lens, int64_t T, int64_t H, int64_t I, int64_t L, int64_t nh,
+                        int64_t kvh, int64_t hd, int64_t block_size, float eps, float scale, uint16_t *s16,
+                        float *s32, int threads) {
+    const int64_t qkv_w = (nh + 2 * kvh) * hd, in_max = max3(H, nh * hd, I);
+    uint16_t *h = s16, *qkv = h + T * H, *q = qkv + T * qkv_w, *o = q + T * nh * hd, *gu = o + T * nh * hd,
+             *act = gu + T * 2 * I, *res = act + T * I;
+    float *xf = s32, *yf = s32 + T * in_max;
+    const uint16_t *r = NULL;
+    int rc = 0;
+    for (int64_t l = 0; l < L && !rc; l++) {
+        const es_linear *lin = lins + 4 * l;
+        if ((rc = rms_norm_bf16(x, r, norms[2 * l], h, T, H, eps, threads))) break;
+        if ((rc = es_linear_bf16(lin, h, qkv, T, xf, yf, threads))) break;
+        if ((rc = rope_store_bf16(qkv, cos_t, sin_t, k_caches[l], v_caches[l], slots, num_slots, q, T, nh, kvh, hd,
+                                  threads))) break;
+        if ((rc = paged_decode_attention_bf16(q, k_caches[l], v_caches[l], block_tables, bt_stride, context_lens, o,
+                                              T, nh, kvh, hd, block_size, scale, threads))) break;
+        if ((rc = es_linear_bf16(lin + 1, o, res, T, xf, yf, threads))) break;
+        if ((rc = rms_norm_bf16(x, res, norms[2 * l + 1], h, T, H, eps, threads))) break;
+        if ((rc = es_linear_bf16(lin + 2, h, gu, T, xf, yf, threads))) break;
+        if ((rc = silu_mul_bf16(gu, act, T, I, threads))) break;
+        if ((rc = es_linear_bf16(lin + 3, act, res, T, xf, yf, threads))) break;
+        r = res;
+    }
+    if (!rc) rc = rms_norm_bf16(x, r, norms[2 * L], out, T, H, eps, threads);
     return rc;
 }

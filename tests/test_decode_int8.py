@@ -15,7 +15,7 @@ from embedserve.models import decode_int8, int8_gate
 from embedserve.models.attention_dispatch import AttentionMetadata
 from embedserve.models.llama import LlamaConfig, LlamaModel, load_weights
 from embedserve.serve import load_decoder
-from kernels import compute, cpu_attention
+from kernels import compute, cpu_attention, cpu_decode
 
 
 def _quantized(n, k, seed=0):
@@ -68,7 +68,8 @@ def _prefill_then_decode(model, prompt, token, fused):
     T = len(prompt)
     nb = -(-(T + 1) // bs)
     shape = (nb, bs, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+    caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+              for _ in range(cfg.num_hidden_layers)]
     table = torch.arange(nb, dtype=torch.int32)[None]
 
     def meta(start, n):
@@ -83,16 +84,31 @@ def _prefill_then_decode(model, prompt, token, fused):
     return hidden, used
 
 
-@pytest.mark.parametrize("linear_weights", ["native", "int8"])
-def test_the_one_call_decode_step_equals_the_per_op_path_bit_for_bit(smollm2_dir, smollm2, linear_weights):
+@pytest.mark.parametrize("dtype,linear_weights", [(torch.float32, "native"), (torch.float32, "int8"),
+                                                  (torch.bfloat16, "int8")])
+def test_the_one_call_decode_step_equals_the_per_op_path_bit_for_bit(smollm2_dir, smollm2, dtype, linear_weights):
     _, tok = smollm2
-    model = LlamaModel.from_dir(smollm2_dir, torch.float32, linear_weights=linear_weights)
+    model = LlamaModel.from_dir(smollm2_dir, dtype, linear_weights=linear_weights)
     prompt = tok("The capital of France is").input_ids
     fused, used = _prefill_then_decode(model, prompt, 12366, fused=True)
     model._fused_memo = None
     plain, used_plain = _prefill_then_decode(model, prompt, 12366, fused=False)
     assert used and not used_plain, "the switch turns the one-call step on and off"
-    assert torch.equal(fused, plain)
+    assert fused.dtype == dtype and torch.equal(fused, plain)
+
+
+def test_native_bf16_weights_keep_the_per_op_step_and_odd_widths_stay_off_the_one_call_step(smollm2_dir, smollm2):
+    _, tok = smollm2
+    prompt = tok("The capital of France is").input_ids
+    native = LlamaModel.from_dir(smollm2_dir, torch.bfloat16)
+    _, used = _prefill_then_decode(native, prompt, 12366, fused=True)
+    assert not used                    # its linears are oneDNN's bf16: no int8 descriptor for the C step
+    # an int8 weight whose K is not a multiple of 16 is packed to longer rows than the step's
+    # activations: the step must refuse it rather than read past them
+    lin = decode_int8.WeightInt8Linear(torch.randn(64, 50))
+    assert cpu_decode.linear_descriptor(None, None, lin.packed, lin.scale, 64, lin.in_features) is None
+    lin = decode_int8.WeightInt8Linear(torch.randn(64, 48))
+    assert cpu_decode.linear_descriptor(None, None, lin.packed, lin.scale, 64, lin.in_features) is not None
 
 
 @pytest.fixture(scope="module")

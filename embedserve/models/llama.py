@@ -252,11 +252,12 @@ class LlamaModel:
         return self._rms(x, self.norm)
 
     def _fused(self, kv_caches, meta: AttentionMetadata) -> DecodeLayers | None:
-        """The one-call step (`kernels.cpu_decode`) where it takes this step: float32, decodes
-        only, every linear row-major fp32 (at most GEMV_MAX_ROWS rows) or int8; built once per
-        KV cache pool and kept."""
+        """The one-call step (`kernels.cpu_decode`) where it takes this step: decodes only, float32
+        with every linear row-major fp32 (at most GEMV_MAX_ROWS rows) or int8, or bfloat16 with
+        int8 linears (native bf16 weights stay on oneDNN); built once per KV cache pool and kept."""
         T = len(meta.context_lens_list)
-        if (self.dtype != torch.float32 or meta.num_decodes != T or not compute.current().fused_decode
+        if (meta.num_decodes != T or not compute.current().fused_decode
+                or not (self.dtype == torch.float32 or self.dtype == torch.bfloat16 and self.linear_weights == "int8")
                 or (self.linear_weights == "native" and T > GEMV_MAX_ROWS)):
             return None
         memo = self._fused_memo
@@ -267,7 +268,8 @@ class LlamaModel:
             for name in ("wqkv", "wo", "wgu", "wd"):
                 lin = layer[name]
                 if isinstance(lin, WeightInt8Linear):
-                    d = cpu_decode.linear_descriptor(None, lin.bias, lin.packed, lin.scale, lin.out_features)
+                    d = cpu_decode.linear_descriptor(None, lin.bias, lin.packed, lin.scale, lin.out_features,
+                                                     lin.in_features)
                 else:
                     d = cpu_decode.linear_descriptor(lin.rows_weight, lin.bias)
                 if d is None:
@@ -275,8 +277,8 @@ class LlamaModel:
                     return None
                 lins.append(d)
                 keep.append(lin)
-        norms = [t.float().contiguous() for layer in self.layers for t in (layer["in_norm"], layer["post_norm"])]
-        fused = cpu_decode.DecodeLayers(lins, norms + [self.norm.float().contiguous()], kv_caches,
+        norms = [t.to(self.dtype).contiguous() for layer in self.layers for t in (layer["in_norm"], layer["post_norm"])]
+        fused = cpu_decode.DecodeLayers(lins, norms + [self.norm.to(self.dtype).contiguous()], kv_caches,
                                         self.cfg.hidden_size, self.cfg.intermediate_size,
                                         self.cfg.num_attention_heads, self.cfg.num_key_value_heads,
                                         self.cfg.head_dim, self.cfg.rms_norm_eps, keep)
