@@ -3,6 +3,10 @@ and the tables written between BENCHMARKS.md's markers — on a small result of 
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from embedserve.studies import compare
 
 
@@ -118,3 +122,30 @@ def test_the_server_share_comes_from_the_alternated_rounds_where_the_run_has_the
     minilm_served = res["embeddings"][compare.EMBED_MODELS[0]]["ours"]["float32"]["32 texts/request, 8 clients"]
     assert f"reaches {minilm_served['tokens_per_s']:.0f} tokens/s = " \
            f"{100 * minilm_served['tokens_per_s'] / 6000:.0f} % of in process." in md
+
+
+def test_skip_leaves_a_section_out_of_a_whole_run_and_says_so(tmp_path, monkeypatch, capsys):
+    ran = []
+
+    def bench(name):
+        def run(*args):
+            ran.append(name)
+            return {"name": name}
+        return run
+
+    for name in ("embeddings", "encoder_peers", "rerank", "generation"):
+        monkeypatch.setattr(compare, f"bench_{name}", bench(name))
+    monkeypatch.setattr(compare, "bench_ceiling", lambda emb, gen: {"from": [emb["name"], gen["name"]]})
+    monkeypatch.setattr(compare, "markdown", lambda res: f"tables of {sorted(res)}")
+    written = []
+    monkeypatch.setattr(compare, "update_benchmarks_md", written.append)
+    out = tmp_path / "compare.json"
+    assert compare.main(["--skip", "rerank", "--runs", "1", "--out", str(out)]) == 0
+    assert ran == ["embeddings", "encoder_peers", "generation"]
+    res = json.loads(out.read_text())
+    assert "rerank" not in res and res["command"] == "python -m embedserve.studies.compare --skip rerank"
+    assert res["encoder"]["run"]["command"] == res["command"]
+    assert written and "rerank" not in written[0]
+    with pytest.raises(SystemExit):
+        compare.main(["--only", "encoder", "--skip", "rerank", "--out", str(out)])
+    assert "--only runs one section" in capsys.readouterr().err

@@ -42,6 +42,8 @@ builds them once); a peer that is not installed is reported as such, never estim
     python -m embedserve.studies.compare --only rerank   # that section alone, merged into the
                                                          # existing result and BENCHMARKS.md
     python -m embedserve.studies.compare --only encoder  # likewise (11 minutes on 2 AVX2 cores, fp32 only)
+    python -m embedserve.studies.compare --skip rerank   # the whole run but that section (rerank takes
+                                                         # ~48 minutes on the Zen 5 EPYC); the report says so
 
 One module per part: peers (the servers and the load generator that drives them), embeddings,
 rerank, generation (llamacpp: its single stream, and llamacpp_worker, run by the peer venv),
@@ -104,7 +106,7 @@ def merge_section(out: Path, name: str, section: dict) -> int:
 
 def _run_record(args, res: dict, name: str, t1: float) -> dict:
     """A merged section's own first line: `--only` merges it into a result of another day (or CPU)."""
-    return {"command": "make bench" if args.only is None else f"python -m embedserve.studies.compare --only {name}"
+    return {"command": res["command"] if args.only is None else f"python -m embedserve.studies.compare --only {name}"
             + (f" --runs {args.runs}" if args.runs != 3 else ""),
             "date": res["date"], "runs": args.runs, "machine": res["machine"], "cpu_flags": res["cpu_flags"],
             "minutes": (time.time() - t1) / 60}
@@ -117,13 +119,19 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("embeddings", "encoder", "rerank", "generation"), default=None,
                     help="run one section; `encoder` and `rerank` replace that section of --out (kept "
                          "otherwise) and rewrite the markdown and BENCHMARKS.md")
+    ap.add_argument("--skip", action="append", choices=("encoder", "rerank"), default=[],
+                    help="leave this section out of a whole run (repeatable); the report and its command say so")
     ap.add_argument("--out", default=str(RESULTS / "compare.json"))
     args = ap.parse_args(argv)
+    if args.only and args.skip:
+        ap.error("--only runs one section; --skip leaves sections out of a whole run: give one of them")
     os.environ.setdefault("EMBEDSERVE_THREADS", str(os.cpu_count() or 1))
     from embedserve.precision import cpu_flags
     t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="bench-"))
-    res = {"command": "make bench", "date": time.strftime("%Y-%m-%d"), "runs": args.runs,
+    command = "make bench" if not args.skip else "python -m embedserve.studies.compare" + "".join(
+        f" --skip {name}" for name in args.skip)
+    res = {"command": command, "date": time.strftime("%Y-%m-%d"), "runs": args.runs,
            "machine": machine_info(),
            "cpu_flags": sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni",
                                                                 "amx_bf16", "amx_int8"))}
@@ -131,7 +139,7 @@ def main(argv=None) -> int:
         log("embeddings")
         res["embeddings"] = bench_embeddings(args.runs, work)
     for name, bench in (("encoder", bench_encoder_peers), ("rerank", bench_rerank)):
-        if args.only in (None, name):
+        if args.only in (None, name) and name not in args.skip:
             log(name)
             t1 = time.time()
             res[name] = bench(args.runs, work)
