@@ -41,10 +41,11 @@ class ComputePaths:
     packed_linear: bool = field(default=True, metadata={
         "help": "linear weights reordered once into oneDNN's blocked layout (CPU)"})
     decode_gemv: bool = field(default=True, metadata={
-        "help": "decode steps of up to 32 sequences take the C GEMV on row-major weights (fp32 CPU)"})
+        "help": "decode steps of up to 32 sequences take the C GEMV on row-major weights (fp32 CPU; "
+                "bf16: up to 2 sequences, on a CPU with AVX512-BF16)"})
     fused_decode: bool = field(default=True, metadata={
         "help": "a decode step's layers in one C call (kernels/cpu_decode.py) instead of one call per op: "
-                "float32, or bfloat16 with --decode-weights int8"})
+                "float32, or bfloat16 with --decode-weights int8 or with the bf16 GEMV (AVX512-BF16)"})
     int8_kernel: str = field(default="auto", metadata={
         "choices": ("auto", "int_mm", "fbgemm"),
         "help": "int8 matmul for --dtype int8: int_mm (VNNI), fbgemm (AVX2), auto (by the CPU's flags)"})

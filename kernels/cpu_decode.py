@@ -1,9 +1,9 @@
 """One C call for a whole decode step's layers (`decode_forward_f32` in cpu_paged_attention.c):
 float32 activations, every sequence bringing one token, each linear fp32 row-major (`gemv`) or
-int8 blocked (`gemv_w8`); or bfloat16 activations and K/V with every linear int8
-(`decode_forward_bf16`: a bf16 model decoding with `--decode-weights int8`). The same kernels in
-the same order as the per-op glue path (`LlamaModel._forward_glue`), so the same numbers; what
-goes is the interpreter between them.
+int8 blocked (`gemv_w8`); or bfloat16 activations and K/V with every linear int8 (`--decode-weights
+int8`) or bf16 row-major (`gemv_bf16`, native weights on a CPU with AVX512-BF16)
+(`decode_forward_bf16`). The same kernels in the same order as the per-op glue path
+(`LlamaModel._forward_glue`), so the same numbers; what goes is the interpreter between them.
 
 `DecodeLayers` holds the per-layer descriptors (pointers into tensors the model keeps alive)
 built once at load; `forward` takes the step's tensors.
@@ -44,36 +44,74 @@ def _fn(dtype: torch.dtype):
     return fn
 
 
+_GEMV_BF16_ARGS = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
+# Rows up to which gemv_bf16 (AVX512-BF16) beats oneDNN's packed bf16 matmul on a decoder's linears
+# (embedserve.studies.cpu_paths; measured in BENCHMARKS.md).
+GEMV_BF16_MAX_ROWS = 2
+
+
+def bf16_gemv_native() -> bool:
+    """Whether `gemv_bf16` was built with AVX512-BF16 dot products here (the only place it beats
+    oneDNN's packed bf16 matmul for a few rows; elsewhere it widens to float and is a reference)."""
+    lib, _ = cpu_attention._library()
+    return lib is not None and bool(lib.gemv_bf16_native())
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` in bfloat16 for x (M, K) and a row-major weight (N, K): the
+    products summed in float32, the output rounded to bf16 (as torch's bf16 matmul rounds, its sums
+    in another order)."""
+    lib, why = cpu_attention._library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are not available: {why}")
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2 \
+            or x.shape[1] != weight.shape[1] or not weight.is_contiguous():
+        raise ValueError(f"gemv_bf16 takes bf16 x (M, K) and a contiguous bf16 weight (N, K); got {x.dtype} "
+                         f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+    if lib.gemv_bf16.argtypes is None:
+        lib.gemv_bf16.argtypes, lib.gemv_bf16.restype = _GEMV_BF16_ARGS, ctypes.c_int
+    x = x.contiguous()
+    bias = None if bias is None else bias.to(torch.float32).contiguous()          # held: its pointer is passed
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    rc = lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                       x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"cpu gemv_bf16 failed (code {rc})")
+    return y.to(torch.bfloat16)
+
+
 def linear_descriptor(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
                       scale: torch.Tensor | None = None, out_features: int = 0, in_features: int = 0
                       ) -> _Linear | None:
-    """A float32 row-major (N, K) `weight`, or the int8 `packed` (pack_w8) of an (out_features,
-    in_features) weight with its `scale`; None where the fused step cannot take it (another dtype;
-    an int8 K not a multiple of 16, whose packed rows are longer than the activations the step
-    passes)."""
+    """A float32 or bfloat16 row-major (N, K) `weight` (kind 0, 2), or the int8 `packed` (pack_w8)
+    of an (out_features, in_features) weight with its `scale` (kind 1); None where the fused step
+    cannot take it (another dtype; an int8 K not a multiple of 16, whose packed rows are longer
+    than the activations the step passes)."""
     b = 0 if bias is None else bias.data_ptr()
     if packed is not None:
         if in_features != packed.shape[1] or bias is not None and bias.dtype != torch.float32:
             return None
         return _Linear(packed.data_ptr(), scale.data_ptr(), b, out_features, packed.shape[1], 1)
-    if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous() \
+    if weight is None or weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous() \
             or bias is not None and bias.dtype != torch.float32:
         return None
-    return _Linear(weight.data_ptr(), 0, b, weight.shape[0], weight.shape[1], 0)
+    return _Linear(weight.data_ptr(), 0, b, weight.shape[0], weight.shape[1], 0 if weight.dtype == torch.float32 else 2)
 
 
 class DecodeLayers:
     """The fused step's view of a decoder: 4 linears (qkv, o, gate|up, down) and 2 norms per
     layer, the final norm (in the activations' dtype), the caches. `keep` holds every tensor a
-    pointer points into. bfloat16 activations take int8 linears only."""
+    pointer points into. float32 activations take fp32 and int8 linears, bfloat16 ones int8 and
+    bf16 linears."""
 
     def __init__(self, linears: list[_Linear], norms: list[torch.Tensor], kv_caches, hidden: int,
                  intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, keep: list):
         self.dtype = kv_caches[0][0].dtype
+        kinds = (0, 1) if self.dtype == torch.float32 else (1, 2)
         if self.dtype not in _FNS or any(t.dtype != self.dtype for t in norms) \
-                or self.dtype != torch.float32 and any(lin.kind != 1 for lin in linears):
-            raise ValueError("the one-call step takes float32, or bfloat16 with int8 linears, norms and "
-                             "caches in that dtype")
+                or any(lin.kind not in kinds for lin in linears):
+            raise ValueError("the one-call step takes float32 with fp32 or int8 linears, or bfloat16 with int8 "
+                             "or bf16 linears; norms and caches in the activations' dtype")
         self.num_layers = len(norms) // 2
         self.lins = (_Linear * len(linears))(*linears)
         self.norms = (ctypes.c_void_p * len(norms))(*[t.data_ptr() for t in norms])
@@ -113,5 +151,5 @@ class DecodeLayers:
         rc = fn(*args, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"cpu decode_forward failed (code {rc}: -3 is a slot outside the cache, "
-                               "-4 a linear that is not int8 beside bf16 activations)")
+                               "-4 a linear of another dtype than its activations take)")
         return out

@@ -562,6 +562,126 @@ int gemv_f32(const float *x, const float *w, const float *b, float *y, int64_t M
     return 0;
 }
 
+/* ---------------------------------------------------------------- small-batch linear (bf16)
+ * y (M, N) float32 = x (M, K) W^T + b with x and W bfloat16 (W row-major (N, K)), the products
+ * summed in float32: a bf16 decoder's linears for a few rows, reading the weights' bytes once
+ * (half of fp32's). With AVX512-BF16 (vdpbf16ps: 32 bf16 products per instruction into 16 float
+ * sums) blocks of 8 weight rows are dotted with each x row as gemv_f32 does, K's tail through
+ * masked loads; elsewhere the weights are widened to float in registers (exact) and FMA'd. The
+ * caller rounds y to bf16 (nearest even) as torch's bf16 matmul rounds its float sums. */
+int gemv_bf16_native(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define BLD(p, mask) ((__m512bh)_mm512_maskz_loadu_epi16((mask), (p)))
+#define BF16_PREFETCH 2048     /* bytes ahead of the row being read */
+static inline float dot_bf16_row(const uint16_t *wn, const uint16_t *xm, int64_t K, int64_t kv, __mmask32 tail) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 128 <= kv; k += 128) {
+        _mm_prefetch((const char *)(wn + k) + BF16_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)(wn + k) + BF16_PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)(wn + k) + BF16_PREFETCH + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)(wn + k) + BF16_PREFETCH + 192, _MM_HINT_T0);
+        a0 = _mm512_dpbf16_ps(a0, BLD(wn + k, (__mmask32)~0u), BLD(xm + k, (__mmask32)~0u));
+        a1 = _mm512_dpbf16_ps(a1, BLD(wn + k + 32, (__mmask32)~0u), BLD(xm + k + 32, (__mmask32)~0u));
+        a2 = _mm512_dpbf16_ps(a2, BLD(wn + k + 64, (__mmask32)~0u), BLD(xm + k + 64, (__mmask32)~0u));
+        a3 = _mm512_dpbf16_ps(a3, BLD(wn + k + 96, (__mmask32)~0u), BLD(xm + k + 96, (__mmask32)~0u));
+    }
+    for (; k < kv; k += 32) {
+        _mm_prefetch((const char *)(wn + k) + BF16_PREFETCH, _MM_HINT_T0);
+        a0 = _mm512_dpbf16_ps(a0, BLD(wn + k, (__mmask32)~0u), BLD(xm + k, (__mmask32)~0u));
+    }
+    if (tail) a1 = _mm512_dpbf16_ps(a1, BLD(wn + kv, tail), BLD(xm + kv, tail));
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+/* four x rows against one weight row: each weight vector loaded once for the four (rows past M
+ * repeat the last one; their sums are dropped) */
+static inline void dot_bf16_row4(const uint16_t *wn, const uint16_t *const *xs, int64_t kv, __mmask32 tail,
+                                 float *s) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < kv; k += 32) {
+        if (!(k & 63)) _mm_prefetch((const char *)(wn + k) + BF16_PREFETCH, _MM_HINT_T0);
+        const __m512bh wv = BLD(wn + k, (__mmask32)~0u);
+        a0 = _mm512_dpbf16_ps(a0, wv, BLD(xs[0] + k, (__mmask32)~0u));
+        a1 = _mm512_dpbf16_ps(a1, wv, BLD(xs[1] + k, (__mmask32)~0u));
+        a2 = _mm512_dpbf16_ps(a2, wv, BLD(xs[2] + k, (__mmask32)~0u));
+        a3 = _mm512_dpbf16_ps(a3, wv, BLD(xs[3] + k, (__mmask32)~0u));
+    }
+    if (tail) {
+        const __m512bh wv = BLD(wn + kv, tail);
+        a0 = _mm512_dpbf16_ps(a0, wv, BLD(xs[0] + kv, tail));
+        a1 = _mm512_dpbf16_ps(a1, wv, BLD(xs[1] + kv, tail));
+        a2 = _mm512_dpbf16_ps(a2, wv, BLD(xs[2] + kv, tail));
+        a3 = _mm512_dpbf16_ps(a3, wv, BLD(xs[3] + kv, tail));
+    }
+    s[0] = _mm512_reduce_add_ps(a0); s[1] = _mm512_reduce_add_ps(a1);
+    s[2] = _mm512_reduce_add_ps(a2); s[3] = _mm512_reduce_add_ps(a3);
+}
+
+int gemv_bf16(const uint16_t *x, const uint16_t *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,
+              int num_threads) {
+    if (M < 1 || N < 1 || K < 1) return -1;
+    const int64_t nb = (N + 7) / 8, kv = K - K % 32;
+    const __mmask32 tail = (__mmask32)((1ull << (K % 32)) - 1);
+    /* a weight row at a time (one sequential stream per thread, prefetched ahead), dotted with
+     * every x row (four at a time) while it sits in L1 */
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const int64_t n1 = blk * 8 + 8 < N ? blk * 8 + 8 : N;
+        for (int64_t n = blk * 8; n < n1; n++) {
+            const float bn = b ? b[n] : 0.f;
+            if (M == 1) {
+                y[n] = dot_bf16_row(w + n * K, x, K, kv, tail) + bn;
+                continue;
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const uint16_t *xs[4];
+                float s4[4];
+                for (int i = 0; i < 4; i++) xs[i] = x + (m0 + i < M ? m0 + i : M - 1) * K;
+                dot_bf16_row4(w + n * K, xs, kv, tail, s4);
+                for (int64_t i = 0; i < 4 && m0 + i < M; i++) y[(m0 + i) * N + n] = s4[i] + bn;
+            }
+        }
+    }
+    return 0;
+}
+#else
+typedef uint16_t hvec __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t uvec __attribute__((vector_size(VW * 4)));
+static inline vec bf16_vec(const uint16_t *p) {        /* VW bf16 -> floats, exactly */
+    const uvec u = __builtin_convertvector(*(const hvec *)p, uvec) << 16;
+    vec f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+int gemv_bf16(const uint16_t *x, const uint16_t *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,
+              int num_threads) {
+    if (M < 1 || N < 1 || K < 1) return -1;
+    const int64_t kv = K - K % VW;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *wn = w + n * K;
+        for (int64_t m = 0; m < M; m++) {
+            const uint16_t *xm = x + m * K;
+            vec a = {0};
+            for (int64_t k = 0; k < kv; k += VW) a += bf16_vec(wn + k) * bf16_vec(xm + k);
+            float s = hsum(a);
+            for (int64_t k = kv; k < K; k++) s += bf16_to_f32(wn[k]) * bf16_to_f32(xm[k]);
+            y[m * N + n] = s + (b ? b[n] : 0.f);
+        }
+    }
+    return 0;
+}
+#endif
+
 /* ---------------------------------------------------------------- weight-only int8 linear
  * y (M, N) = (x (M, K) q^T) * scale + b, q int8 per output channel (w ≈ q[n] * scale[n]), x and
  * y float32: the decoder's linears with a quarter of fp32's weight bytes. q is stored blocked,
@@ -659,13 +779,14 @@ int gemv_w8_f32(const float *x, const int8_t *q, const float *scale, const float
  * each on the AVX2 EPYC, ~12 ms of a 30 ms SmolLM2 step in int8). Each linear is fp32
  * row-major (gemv_f32) or int8 blocked (gemv_w8_f32, K a multiple of 16). */
 typedef struct {
-    const void *w;                    /* float (N, K) row-major, or int8 blocked (gemv_w8_f32) */
+    const void *w;                    /* float or bf16 (N, K) row-major, or int8 blocked (gemv_w8_f32) */
     const float *scale, *bias;        /* scale: int8 only; bias or NULL */
-    int64_t n, k, kind;               /* kind 0: fp32, 1: int8 */
+    int64_t n, k, kind;               /* kind 0: fp32, 1: int8, 2: bf16 (bf16 activations only) */
 } es_linear;
 
 static int es_linear_run(const es_linear *l, const float *x, float *y, int64_t M, int threads) {
     if (l->kind == 1) return gemv_w8_f32(x, (const int8_t *)l->w, l->scale, l->bias, y, M, l->n, l->k, threads);
+    if (l->kind != 0) return -4;
     return gemv_f32(x, (const float *)l->w, l->bias, y, M, l->n, l->k, threads);
 }
 
@@ -699,20 +820,26 @@ int decode_forward_f32(float *x, float *out, const es_linear *lins, const float 
     return rc;
 }
 
-/* The same step with bfloat16 activations and K/V cache (a bf16 model decoding with int8
- * weights, `--decode-weights int8`): the bf16 glue kernels, and each linear int8 (kind 1 only;
- * oneDNN keeps native bf16 weights) on its input rows widened to float32, its output rounded
- * to bf16 (nearest even) - what `kernels.cpu_attention.gemv_w8` does from Python, so the step
- * equals the per-op path to the bit. s16 holds the bf16 intermediates (as decode_forward_f32's
- * scratch), s32 one linear's float input (T x max(H, nh hd, I)) and output (T x max(qkv, H, 2I)).
- * Returns -4 for a linear that is not int8. */
+/* The same step with bfloat16 activations and K/V cache (a bf16 decoder): the bf16 glue kernels,
+ * and each linear either int8 (kind 1, `--decode-weights int8`: its input rows widened to float32,
+ * what `kernels.cpu_attention.gemv_w8` does from Python) or bf16 row-major (kind 2, native weights:
+ * gemv_bf16, what `kernels.cpu_attention.gemv_bf16` does), its float output rounded to bf16
+ * (nearest even), so the step equals the per-op path to the bit. s16 holds the bf16 intermediates
+ * (as decode_forward_f32's scratch), s32 one linear's float input (T x max(H, nh hd, I)) and output
+ * (T x max(qkv, H, 2I)). Returns -4 for an fp32 linear (kind 0). */
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 static int es_linear_bf16(const es_linear *l, const uint16_t *x, uint16_t *y, int64_t M, float *xf, float *yf,
                           int threads) {
-    if (l->kind != 1) return -4;
     const int64_t nk = M * l->k, nn = M * l->n;
-    for (int64_t i = 0; i < nk; i++) xf[i] = bf16_to_f32(x[i]);
-    const int rc = gemv_w8_f32(xf, (const int8_t *)l->w, l->scale, l->bias, yf, M, l->n, l->k, threads);
+    int rc;
+    if (l->kind == 2) {
+        rc = gemv_bf16(x, (const uint16_t *)l->w, l->bias, yf, M, l->n, l->k, threads);
+    } else if (l->kind == 1) {
+        for (int64_t i = 0; i < nk; i++) xf[i] = bf16_to_f32(x[i]);
+        rc = gemv_w8_f32(xf, (const int8_t *)l->w, l->scale, l->bias, yf, M, l->n, l->k, threads);
+    } else {
+        return -4;
+    }
     if (!rc)
         for (int64_t i = 0; i < nn; i++) y[i] = f32_to_bf16(yf[i]);
     return rc;

@@ -74,8 +74,8 @@ def test_unknown_activation_is_refused():
 
 def test_small_rows_keeps_the_row_major_weight_for_gemv_where_it_runs(monkeypatch):
     """`small_rows`: a few rows through `gemv` on the kept original, more through the packed (or
-    plain) matmul; the same values either way. Not kept for bf16, with an activation, or with
-    EMBEDSERVE_DECODE_GEMV=0."""
+    plain) matmul; the same values either way. Not kept with an activation, with
+    EMBEDSERVE_DECODE_GEMV=0, or for bf16 where its GEMV has no AVX512-BF16 (test_bf16_small_rows_...)."""
     from kernels import cpu_attention
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, generator=g)
@@ -91,9 +91,36 @@ def test_small_rows_keeps_the_row_major_weight_for_gemv_where_it_runs(monkeypatc
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
     assert calls == ([1, cpu_attention.GEMV_MAX_ROWS] if why is None else [])
     assert lin(torch.empty(0, 64)).shape == (0, 96)                  # no rows: the matmul's empty result
-    assert Linear(w.bfloat16(), small_rows=True).rows_weight is None
+    assert (Linear(w.bfloat16(), small_rows=True).rows_weight is None) == \
+        (linear_mod.small_rows_kernel(torch.bfloat16) is not None)
     assert Linear(w, small_rows=True, act="gelu").rows_weight is None
     assert Linear(w).rows_weight is None and Linear(w).extra_bytes() == 0
     with compute.override(decode_gemv=False):
         assert linear_mod.small_rows_kernel(torch.float32) == "decode_gemv=false"
+        assert Linear(w, small_rows=True).rows_weight is None
+
+
+def test_bf16_small_rows_take_the_bf16_gemv_where_the_cpu_has_avx512_bf16(monkeypatch):
+    """bf16 `small_rows`: kept and used for up to GEMV_BF16_MAX_ROWS bf16 rows where the C kernels
+    have AVX512-BF16 dot products (and --fast-bf16 is not 0); the values are F.linear's in bf16 up
+    to the order of the float32 sums (a bf16 rounding step at most). Elsewhere not kept at all."""
+    from kernels import cpu_decode
+    g = torch.Generator().manual_seed(5)
+    w, b = (torch.randn(72, 64, generator=g) * 0.1).bfloat16(), torch.randn(72, generator=g).bfloat16()
+    why = linear_mod.small_rows_kernel(torch.bfloat16)
+    assert (why is None) == (cpu_decode.bf16_gemv_native() and compute.current().fast_bf16 != "0"
+                             and compute.current().decode_gemv)
+    lin = Linear(w, b, small_rows=True)
+    assert (lin.rows_weight is w) == (why is None)
+    calls = []
+    real = cpu_decode.gemv_bf16
+    monkeypatch.setattr(cpu_decode, "gemv_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, cpu_decode.GEMV_BF16_MAX_ROWS, cpu_decode.GEMV_BF16_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        out, ref = lin(x), F.linear(x.float(), w.float(), b.float())
+        assert out.dtype == torch.bfloat16
+        assert float((out.float() - ref).abs().max()) <= 2 ** -7 * float(ref.abs().max()) + 1e-6
+    assert calls == ([1, cpu_decode.GEMV_BF16_MAX_ROWS] if why is None else [])
+    with compute.override(fast_bf16="0"):            # imitates the AVX2 kind: oneDNN for every row count
+        assert linear_mod.small_rows_kernel(torch.bfloat16) is not None
         assert Linear(w, small_rows=True).rows_weight is None

@@ -17,7 +17,8 @@ this machine and device (a CPU with oneDNN); elsewhere, or with --no-packed-line
 it is plain `F.linear`. The packed weight replaces the original (same bytes, no copy kept),
 except where `small_rows` keeps it too: the decoder's steps of a few sequences are bound by
 reading the weights once, and `kernels.cpu_attention.gemv` reads the row-major original faster
-than oneDNN reads its packed copy (1.06-1.47x at 1-32 rows, fp32, AVX2); see `small_rows_kernel`.
+than oneDNN reads its packed copy (1.06-1.47x at 1-32 rows, fp32, AVX2); in bf16 on a CPU with
+AVX512-BF16, `kernels.cpu_decode.gemv_bf16` (dot products in vdpbf16ps); see `small_rows_kernel`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels import compute, cpu_attention
+from kernels import compute, cpu_attention, cpu_decode
 from kernels.cpu_attention import GEMV_MAX_ROWS
+from kernels.cpu_decode import GEMV_BF16_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +69,18 @@ def _packing_probe(dtype: torch.dtype, device_type: str) -> str | None:
 
 
 def small_rows_kernel(dtype: torch.dtype, device_type: str = "cpu") -> str | None:
-    """None where `Linear(small_rows=True)` takes `gemv` for a few rows (float32 on a CPU with the
-    C kernels built), else why not; the `decode_gemv` compute path turns it off."""
+    """None where `Linear(small_rows=True)` takes a GEMV for a few rows (float32 on a CPU with the
+    C kernels built; bfloat16 where they are built with AVX512-BF16 dot products and bf16 is not
+    turned slow by --fast-bf16 0), else why not; the `decode_gemv` compute path turns it off."""
     if not compute.current().decode_gemv:
         return "decode_gemv=false"
-    if device_type != "cpu" or dtype != torch.float32:
-        return f"the small-batch kernel is a float32 CPU path (here {dtype} on {device_type})"
-    return cpu_attention.available()
+    if device_type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return f"the small-batch kernel is a float32 / bfloat16 CPU path (here {dtype} on {device_type})"
+    why = cpu_attention.available()
+    if why is None and dtype == torch.bfloat16 and (compute.current().fast_bf16 == "0"
+                                                     or not cpu_decode.bf16_gemv_native()):
+        return "the bf16 small-batch kernel needs AVX512-BF16 (its dot products)"
+    return why
 
 
 # activation applied to the output: (oneDNN post-op, its algorithm, torch's function in place
@@ -129,7 +136,8 @@ class Linear:
     None once packed; `bias` (N,) or None. With `small_rows` (no activation) and where
     `small_rows_kernel` allows, `rows_weight` keeps the row-major original beside the packed copy
     (the same tensor where the caller holds it anyway, as a tied head's embedding matrix) and
-    inputs of at most `cpu_attention.GEMV_MAX_ROWS` rows go through `gemv`."""
+    inputs of at most `cpu_attention.GEMV_MAX_ROWS` rows go through `gemv` (bf16:
+    `cpu_decode.GEMV_BF16_MAX_ROWS` rows through `cpu_decode.gemv_bf16`)."""
 
     __slots__ = ("weight", "bias", "packed", "act", "rows_weight", "fused")
 
@@ -149,8 +157,12 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         post, algorithm, inplace = ACTIVATIONS[self.act]
-        if self.rows_weight is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-            return cpu_attention.gemv(x, self.rows_weight, self.bias)
+        if self.rows_weight is not None and x.dim() == 2 and 0 < x.shape[0]:
+            if self.rows_weight.dtype == torch.bfloat16:
+                if x.shape[0] <= GEMV_BF16_MAX_ROWS and x.dtype == torch.bfloat16:
+                    return cpu_decode.gemv_bf16(x, self.rows_weight, self.bias)
+            elif x.shape[0] <= GEMV_MAX_ROWS:
+                return cpu_attention.gemv(x, self.rows_weight, self.bias)
         if self.packed is not None:
             if self.fused or inplace is None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post, [], algorithm)

@@ -27,7 +27,7 @@ from kernels.cpu_decode import DecodeLayers
 
 from .attention_dispatch import AttentionMetadata, paged_attention, store_kv
 from .decode_int8 import WeightInt8Linear, int8_available
-from .linear import GEMV_MAX_ROWS, Linear, small_rows_kernel
+from .linear import GEMV_BF16_MAX_ROWS, GEMV_MAX_ROWS, Linear, small_rows_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class LlamaModel:
                         self.weight_bytes_per_step() / 2**20, dtype)
         elif why is None and small:
             logger.info("decoder: steps of up to %d sequences take the row-major GEMV kernel (%.0f MB of "
-                        "row-major weights kept beside the packed ones)", GEMV_MAX_ROWS, extra / 2**20)
+                        "row-major weights kept beside the packed ones)", self._gemv_rows(), extra / 2**20)
         else:
             logger.info("decoder: every step takes the packed matmul: %s", why or (
                 f"the row-major copy would be {copy_bytes / 2**20:.0f} MB, over {GEMV_COPY_LIMIT / 2**20:.0f} MB"))
@@ -189,6 +189,9 @@ class LlamaModel:
     def from_dir(cls, path: Path, dtype: torch.dtype = torch.float32, device="cpu",
                  linear_weights: str = "native") -> "LlamaModel":
         return cls(LlamaConfig.from_dir(path), load_weights(path), dtype, device, linear_weights)
+
+    def _gemv_rows(self) -> int:
+        return GEMV_MAX_ROWS if self.dtype == torch.float32 else GEMV_BF16_MAX_ROWS
 
     def weight_bytes_per_step(self) -> int:
         """Bytes of linear weights one decode step reads (every layer's and the head's)."""
@@ -253,12 +256,13 @@ class LlamaModel:
 
     def _fused(self, kv_caches, meta: AttentionMetadata) -> DecodeLayers | None:
         """The one-call step (`kernels.cpu_decode`) where it takes this step: decodes only, float32
-        with every linear row-major fp32 (at most GEMV_MAX_ROWS rows) or int8, or bfloat16 with
-        int8 linears (native bf16 weights stay on oneDNN); built once per KV cache pool and kept."""
+        with every linear row-major fp32 (at most GEMV_MAX_ROWS rows) or int8, or bfloat16 with every
+        linear int8 or row-major bf16 (at most GEMV_BF16_MAX_ROWS rows: the GEMV of a CPU with
+        AVX512-BF16); built once per KV cache pool and kept."""
         T = len(meta.context_lens_list)
         if (meta.num_decodes != T or not compute.current().fused_decode
-                or not (self.dtype == torch.float32 or self.dtype == torch.bfloat16 and self.linear_weights == "int8")
-                or (self.linear_weights == "native" and T > GEMV_MAX_ROWS)):
+                or self.dtype not in (torch.float32, torch.bfloat16)
+                or (self.linear_weights == "native" and T > self._gemv_rows())):
             return None
         memo = self._fused_memo
         if memo is not None and memo[0] is kv_caches:
