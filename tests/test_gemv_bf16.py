@@ -57,3 +57,20 @@ def test_the_bf16_descriptor_is_kind_2_and_the_float32_step_refuses_it():
     norms = [torch.ones(16)] * 3
     with pytest.raises(ValueError, match="float32 with fp32 or int8 linears"):
         cpu_decode.DecodeLayers([d] * 4, norms, caches, 16, 8, 1, 1, 16, 1e-5, [w])
+
+
+def test_the_bf16_decode_studies_say_not_run_where_the_gemv_does_not_run(tmp_path):
+    """`cpu_paths --only decoder_bf16` and `served_decode_paths` time nothing where the bf16 GEMV
+    is off (here: imitating the AVX2 kind), and say why; the table renders a measured row."""
+    import json
+
+    from embedserve.studies import cpu_paths, served_decode_paths
+    from kernels import compute
+    with compute.override(fast_bf16="0"):
+        assert cpu_paths.decoder_bf16() == [{"not_run": "the bf16 small-batch kernel needs AVX512-BF16 (its dot products)"}]
+        assert served_decode_paths.main(["--out", str(tmp_path / "s.json")]) == 0
+    assert "AVX512-BF16" in json.loads((tmp_path / "s.json").read_text())["not_run"]
+    row = {"sequences": 1, "ms_per_step": {"as run": 13.0, "oneDNN per op": 19.5, "GEMV up to 8 rows": 13.1},
+           "as_run_over_onednn": 1.5, "gemv8_over_onednn": 1.49, "weight_gb_per_s_as_run": 20.7}
+    md = cpu_paths.markdown({"cpu": "x", "flags": ["avx512_bf16"], "threads": 2, "date": "d", "decoder_bf16": [row]})
+    assert "| 1 sequences | 13.0 | 19.5 | 13.1 | 1.50× | 1.49× | 20.7 |" in md

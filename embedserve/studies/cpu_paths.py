@@ -6,12 +6,14 @@ place after the matmul: `linear.fused_activation_preferred` times the two at sta
 decoder's step as it runs against the same step with its `gemv` (steps of up to 32 sequences)
 replaced by the packed matmul and with its C glue kernels replaced by the torch ops (fp32, 1 and
 16 sequences, alternated blocks of steps in one engine), and the engine's batched sampler against
-the per-row sort sampler it replaced. The choices `embedserve.models.int8`,
+the per-row sort sampler it replaced; and the bf16 decoder's step with its GEMV (AVX512-BF16)
+against oneDNN op by op, at 1-8 sequences. The choices `embedserve.models.int8`,
 `kernels.cpu_attention.varlen_preferred`, `cpu_attention.decoder_glue_supports`,
-`GEMV_MAX_ROWS` and the GELU's make by CPU rest on these numbers.
+`GEMV_MAX_ROWS`, `GEMV_BF16_MAX_ROWS` and the GELU's make by CPU rest on these numbers.
 
     python -m embedserve.studies.cpu_paths            # ~10 minutes on 2 AVX2 cores; prints a markdown table
     python -m embedserve.studies.cpu_paths --only sampler       # one section (seconds)
+    python -m embedserve.studies.cpu_paths --only decoder_bf16  # ~2 minutes on 2 Zen 4 cores
 """
 
 from __future__ import annotations
@@ -176,6 +178,49 @@ def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
     return out
 
 
+BF16_PATHS = ("as run", "oneDNN per op", "GEMV up to 8 rows")
+
+
+def decoder_bf16(batches=(1, 2, 4, 8), rounds: int = 12, steps: int = 6) -> list[dict]:
+    """ms per decode step of SmolLM2 in bf16 as it runs (the bf16 GEMV and the one-call step for
+    steps of up to GEMV_BF16_MAX_ROWS sequences), with oneDNN's packed matmul op by op instead (the
+    path before), and with the GEMV and the one-call step taken up to 8 sequences: alternated
+    blocks of `steps` steps on one engine. What GEMV_BF16_MAX_ROWS rests on; not run without the
+    AVX512-BF16 GEMV."""
+    from transformers import AutoTokenizer
+
+    from embedserve.models import linear, llama
+    from embedserve.models.llama import LlamaModel
+    from embedserve.models.registry import resolve_generate_model
+    from embedserve.studies.profile import decoding_engine
+    why = linear.small_rows_kernel(torch.bfloat16)
+    if why is not None:
+        return [{"not_run": why}]
+    _, path = resolve_generate_model("SmolLM2-135M-Instruct")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = LlamaModel.from_dir(path, dtype=torch.bfloat16)
+    limit = {"as run": linear.GEMV_BF16_MAX_ROWS, "oneDNN per op": 0, "GEMV up to 8 rows": 8}
+    out = []
+    for batch in batches:
+        eng = decoding_engine(model, tok, batch, 128, rounds * steps + 8, warm=4)
+        times = {name: [] for name in BF16_PATHS}
+        for r in range(rounds):
+            name = BF16_PATHS[r % len(BF16_PATHS)]
+            with mock.patch.object(linear, "GEMV_BF16_MAX_ROWS", limit[name]), \
+                    mock.patch.object(llama, "GEMV_BF16_MAX_ROWS", limit[name]):
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    eng.step()
+                    times[name].append(time.perf_counter() - t0)
+        while eng.scheduler.has_work():
+            eng.step()
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        out.append({"sequences": batch, "ms_per_step": ms, "as_run_over_onednn": ms["oneDNN per op"] / ms["as run"],
+                    "gemv8_over_onednn": ms["oneDNN per op"] / ms["GEMV up to 8 rows"],
+                    "weight_gb_per_s_as_run": model.weight_bytes_per_step() / ms["as run"] / 1e6})
+    return out
+
+
 SAMPLER_CASES = {"greedy": {"temperature": 0}, "temperature 1.0": {"temperature": 1.0},
                  "top_p 0.9, T 0.7": {"temperature": 0.7, "top_p": 0.9},
                  "top_k 50, T 0.8": {"temperature": 0.8, "top_k": 50},
@@ -251,6 +296,12 @@ def markdown(res: dict) -> str:
         lines += [f"| {r['sequences']} sequences | " + " | ".join(f"{r['ms_per_step'][n]:.1f}" for n in DECODER_PATHS)
                   + f" | {r['gemv_speedup']:.2f}× | {r['glue_speedup']:.2f}× |" if "not_run" not in r
                   else f"| not run: {r['not_run']} | | | | | |" for r in res.get("decoder", [])]
+    if res.get("decoder_bf16"):
+        lines += ["", "| SmolLM2 decode step, bf16, 128-token prompts | as run ms/step | oneDNN per op | GEMV + one-call "
+                  "step up to 8 rows | as run / oneDNN | GEMV 8 / oneDNN | weights GB/s as run |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['sequences']} sequences | " + " | ".join(f"{r['ms_per_step'][n]:.1f}" for n in BF16_PATHS)
+                  + f" | {r['as_run_over_onednn']:.2f}× | {r['gemv8_over_onednn']:.2f}× | {r['weight_gb_per_s_as_run']:.1f} |"
+                  if "not_run" not in r else f"| not run: {r['not_run']} | | | | | | |" for r in res["decoder_bf16"]]
     if res.get("sampler"):
         lines += ["", "| sampler, 16 x 49,152 logits | batched (engine) ms | per-row sort + multinomial ms | speedup |",
                   "|---|---|---|---|"]
@@ -265,10 +316,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="result file [default: results/cpu_paths-<flags>.json]")
     ap.add_argument("--only", default=None, help="comma-separated sections to run (matmuls, attention, encoders, "
-                    "decoder, sampler) [default: all]")
+                    "decoder, decoder_bf16, sampler) [default: all]")
     args = ap.parse_args(argv)
     sections = {"matmuls": matmuls, "attention": attention, "encoders": encoders, "decoder": decoder,
-                "sampler": sampler}
+                "decoder_bf16": decoder_bf16, "sampler": sampler}
     chosen = [x.strip() for x in args.only.split(",")] if args.only else list(sections)
     unknown = sorted(set(chosen) - set(sections))
     if unknown:

@@ -162,6 +162,46 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
             "first_divergence": [f for f in firsts if f is not None]}
 
 
+def profile_step(model, tok, batch: int, steps: int = 8) -> dict:
+    """Where a steady decode step's wall time goes on this device: the engine's phases (profile.py's
+    labels), the GPU's busy time (the kernels' summed durations), kernel launches and host syncs
+    per step, and the host-side ops that cost most."""
+    import torch
+    from torch.autograd import DeviceType
+
+    from embedserve.studies.profile import _instrument, _restore, decoding_engine
+    eng = decoding_engine(model, tok, batch, 128, steps + 5 + 1, 4)
+    patches = _instrument(eng)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    try:
+        with torch.profiler.profile(activities=acts) as prof:
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            _sync()
+            wall = (time.perf_counter() - t0) / steps * 1e3
+    finally:
+        _restore(patches)
+    while eng.scheduler.has_work():
+        eng.step()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    labels: dict[str, float] = {}
+    for e in events:
+        if e.name.startswith("es::"):
+            labels[e.name] = labels.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3 / steps
+    host = sorted(((a.key, a.self_cpu_time_total / 1e3 / steps, a.count / steps) for a in prof.key_averages()
+                   if a.device_type != DeviceType.CUDA), key=lambda r: -r[1])[:14]
+    return {"batch": batch, "steps": steps, "step_ms_profiled": wall, "phases_ms": labels,
+            "gpu_busy_ms_per_step": sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3 / steps,
+            "kernels_per_step": len(kernels) / steps,
+            "host_syncs_per_step": sum(a.count for a in prof.key_averages()
+                                       if "Synchronize" in a.key or a.key in ("aten::item", "aten::_local_scalar_dense"))
+            / steps,
+            "top_host_ops": [{"op": k, "self_ms_per_step": ms, "calls_per_step": n} for k, ms, n in host]}
+
+
 def bench_decoder(path: Path) -> dict:
     import torch
     from transformers import AutoTokenizer
@@ -187,6 +227,8 @@ def bench_decoder(path: Path) -> dict:
                 eng.step()
             rows[str(batch)] = {"tokens_per_s": batch * 32 / dt, "step_ms": dt / 32 * 1e3}
         res[str(dtype).removeprefix("torch.")] = rows
+        if dtype == torch.bfloat16:
+            res["profile_bfloat16"] = [profile_step(model, tok, b) for b in (1, 64)]
         del model
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -259,6 +301,13 @@ def summary(res: dict) -> str:
         if dt in d:
             lines.append(f"decoder {dt}: " + ", ".join(f"@{b} {r['tokens_per_s']:,.0f} tok/s ({r['step_ms']:.2f} ms)"
                                                          for b, r in d[dt].items()))
+    for p in d.get("profile_bfloat16", []):
+        lines.append(f"profile bf16 @{p['batch']}: step {p['step_ms_profiled']:.2f} ms, GPU busy "
+                     f"{p['gpu_busy_ms_per_step']:.2f} ms, {p['kernels_per_step']:.0f} kernels, "
+                     f"{p['host_syncs_per_step']:.0f} syncs; phases " + ", ".join(
+                         f"{k[4:]} {v:.2f}" for k, v in p["phases_ms"].items()))
+        lines.append("  host: " + ", ".join(f"{o['op']} {o['self_ms_per_step']:.2f} ms x{o['calls_per_step']:.0f}"
+                                            for o in p["top_host_ops"][:8]))
     if "greedy_fp32_32_tokens" in d:
         lines.append(f"greedy fp32: {d['greedy_fp32_32_tokens']}")
     return "\n".join(lines)
