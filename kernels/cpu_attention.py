@@ -339,14 +339,19 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for the few rows `gemv_supports` takes (the caller checks)."""
-    lib = _library()[0]
+    return rows_gemv(_library()[0].gemv_f32, "gemv", x, weight, bias)
+
+
+def rows_gemv(fn, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y (M, N) float32 from a row-major GEMV kernel `fn` of the library (gemv_f32, gemv_bf16):
+    x (M, K) and weight (N, K) in the kernel's dtype, bias float32 or None."""
     x = x.contiguous()
     bias = None if bias is None else bias.to(torch.float32).contiguous()      # held: its pointer is passed
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    rc = lib.gemv_f32(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                      x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
+    rc = fn(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+            x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"cpu gemv failed (code {rc})")
+        raise RuntimeError(f"cpu {name} failed (code {rc})")
     return y
 
 

@@ -70,14 +70,7 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
                          f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
     if lib.gemv_bf16.argtypes is None:
         lib.gemv_bf16.argtypes, lib.gemv_bf16.restype = _GEMV_BF16_ARGS, ctypes.c_int
-    x = x.contiguous()
-    bias = None if bias is None else bias.to(torch.float32).contiguous()          # held: its pointer is passed
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    rc = lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                       x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"cpu gemv_bf16 failed (code {rc})")
-    return y.to(torch.bfloat16)
+    return cpu_attention.rows_gemv(lib.gemv_bf16, "gemv_bf16", x, weight, bias).to(torch.bfloat16)
 
 
 def linear_descriptor(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None = None,

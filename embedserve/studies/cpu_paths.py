@@ -137,6 +137,25 @@ def encoders() -> list[dict]:
 DECODER_PATHS = ("as run", "packed matmul, no gemv", "torch ops, no glue")
 
 
+def _alternated_steps(eng, patches: dict[str, tuple], rounds: int, steps: int) -> dict[str, float]:
+    """Median ms per step of each side of `patches` (name -> the mock patches that make it), in
+    alternated blocks of `steps` steps on one engine, then the engine stepped to its end."""
+    names = list(patches)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        name = names[r % len(names)]
+        with contextlib.ExitStack() as stack:
+            for p in patches[name]:
+                stack.enter_context(p)
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                eng.step()
+                times[name].append(time.perf_counter() - t0)
+    while eng.scheduler.has_work():
+        eng.step()
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
     """ms per decode step of SmolLM2 in fp32 as it runs (the C glue kernels and, for steps of up to
     32 sequences, `gemv` on the row-major weights), with the packed matmul instead of `gemv`, and with
@@ -159,19 +178,7 @@ def decoder(batches=(1, 16), rounds: int = 12, steps: int = 6) -> list[dict]:
     out = []
     for batch in batches:
         eng = decoding_engine(model, tok, batch, 128, rounds * steps + 8, warm=4)
-        times = {name: [] for name in DECODER_PATHS}
-        for r in range(rounds):
-            name = DECODER_PATHS[r % len(DECODER_PATHS)]
-            with contextlib.ExitStack() as stack:
-                for p in patches[name]:
-                    stack.enter_context(p)
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    eng.step()
-                    times[name].append(time.perf_counter() - t0)
-        while eng.scheduler.has_work():
-            eng.step()
-        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        ms = _alternated_steps(eng, patches, rounds, steps)
         out.append({"sequences": batch, "ms_per_step": ms,
                     "gemv_speedup": ms["packed matmul, no gemv"] / ms["as run"],
                     "glue_speedup": ms["torch ops, no glue"] / ms["as run"]})
@@ -199,22 +206,13 @@ def decoder_bf16(batches=(1, 2, 4, 8), rounds: int = 12, steps: int = 6) -> list
     _, path = resolve_generate_model("SmolLM2-135M-Instruct")
     tok = AutoTokenizer.from_pretrained(str(path))
     model = LlamaModel.from_dir(path, dtype=torch.bfloat16)
-    limit = {"as run": linear.GEMV_BF16_MAX_ROWS, "oneDNN per op": 0, "GEMV up to 8 rows": 8}
+    limits = dict(zip(BF16_PATHS, (linear.GEMV_BF16_MAX_ROWS, 0, 8)))
+    patches = {name: tuple(mock.patch.object(mod, "GEMV_BF16_MAX_ROWS", n) for mod in (linear, llama))
+               for name, n in limits.items()}
     out = []
     for batch in batches:
         eng = decoding_engine(model, tok, batch, 128, rounds * steps + 8, warm=4)
-        times = {name: [] for name in BF16_PATHS}
-        for r in range(rounds):
-            name = BF16_PATHS[r % len(BF16_PATHS)]
-            with mock.patch.object(linear, "GEMV_BF16_MAX_ROWS", limit[name]), \
-                    mock.patch.object(llama, "GEMV_BF16_MAX_ROWS", limit[name]):
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    eng.step()
-                    times[name].append(time.perf_counter() - t0)
-        while eng.scheduler.has_work():
-            eng.step()
-        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        ms = _alternated_steps(eng, patches, rounds, steps)
         out.append({"sequences": batch, "ms_per_step": ms, "as_run_over_onednn": ms["oneDNN per op"] / ms["as run"],
                     "gemv8_over_onednn": ms["oneDNN per op"] / ms["GEMV up to 8 rows"],
                     "weight_gb_per_s_as_run": model.weight_bytes_per_step() / ms["as run"] / 1e6})

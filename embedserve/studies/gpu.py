@@ -90,7 +90,7 @@ def materialize(packed: Path, dst: Path, seed: int = 0) -> Path:
     for k, (shape, dt) in spec["tensors"].items():
         low = k.lower()
         if dt.startswith("I"):                                # buffers such as position_ids: 0, 1, 2, ...
-            t = torch.arange(shape[-1] if shape else 1).expand(shape).clone() if shape else torch.tensor(0)
+            t = torch.arange(shape[-1]).expand(shape).clone() if shape else torch.tensor(0)
         elif low.endswith("bias") or low.endswith("beta"):
             t = torch.zeros(shape)
         elif "norm" in low and (low.endswith("weight") or low.endswith("gamma")):
@@ -251,7 +251,7 @@ def _part(res: dict, name: str, fn, out: Path) -> None:
         res[name] = fn()
     except Exception as exc:                                  # written down; the next part runs
         res[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
-    res[name]["seconds"] = time.perf_counter() - t0 if isinstance(res[name], dict) else None
+    res[name]["seconds"] = time.perf_counter() - t0
     (out / "gpu.json").write_text(json.dumps(res, indent=2) + "\n")
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {time.perf_counter() - t0:.0f} s"
           + (f" ERROR {res[name]['error']}" if "error" in res[name] else ""), flush=True)
