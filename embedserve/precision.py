@@ -12,7 +12,7 @@ or a GPU with bf16. The `fast_bf16` compute path (`--fast-bf16 0|1`, `EMBEDSERVE
 `auto` behave as on the other kind of CPU.
 
 The encoder's probe (accuracy of each candidate against fp32 on fixed multilingual texts, and
-its speed on one batch) runs once per model fingerprint and machine; its outcome is cached in
+its speed on a large and a small batch, timed in rounds alternated with fp32's) runs once per model fingerprint and machine; its outcome is cached in
 `$EMBEDSERVE_HOME/precision/`, so later starts load the encoder once and `plan` can say what
 `serve` will load.
 """
@@ -106,22 +106,32 @@ CLEARLY_FASTER = 1.10
 @dataclass(slots=True)
 class ProbeResult:
     """One probe of a model on one machine: per candidate dtype, min cosine to fp32 and tokens/s
-    (float32's speed too), and the candidates that could not run here, with the reason."""
+    on a ~2,000-token batch and on a small one (8 texts: what 1 text/request x 8 clients forms),
+    float32's too; and the candidates that could not run here, with the reason."""
 
     min_cosine: dict[str, float] = field(default_factory=dict)
     tokens_per_s: dict[str, float] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
+    small_tokens_per_s: dict[str, float] = field(default_factory=dict)
 
     def passing(self) -> list[str]:
         return ["float32"] + [d for d, c in self.min_cosine.items() if c >= GATES[d]]
 
+    def faster(self, dtype: str, than: str) -> bool:
+        """`dtype` is clearly (10 %) faster than `than` on the large batch, and not slower on the
+        small one where both were measured there."""
+        big, small = self.tokens_per_s, self.small_tokens_per_s
+        if big.get(dtype, 0.0) < CLEARLY_FASTER * big.get(than, 0.0):
+            return False
+        return dtype not in small or than not in small or small[dtype] >= small[than]
+
     def fastest_passing(self) -> str:
-        """Going from the most accurate down, take the next passing precision only if it is at
-        least 10% faster than the one taken so far (a noise margin: accuracy breaks ties)."""
+        """Going from the most accurate down, take the next passing precision only if it is
+        `faster` than the one taken so far (a noise margin: accuracy breaks ties)."""
         passing = self.passing()
         best = "float32"
         for dtype in ACCURACY_ORDER[1:]:
-            if dtype in passing and self.tokens_per_s.get(dtype, 0.0) >= CLEARLY_FASTER * self.tokens_per_s.get(best, 0.0):
+            if dtype in passing and self.faster(dtype, best):
                 best = dtype
         return best
 
@@ -129,9 +139,12 @@ class ProbeResult:
 # Bumped when the compute paths change speed (v2: oneDNN-packed linears, fused GELU, fp32
 # attention for bf16; v3: the C varlen attention kernel; v4: int8 through fbgemm on AVX2-only CPUs,
 # where v3 measured torch._int_mm's slow fallback; v5: the varlen kernel in the machine's vector
-# width, taken on AVX2-only CPUs too; v6: the GELU in place where the post-op is slower): a probe
-# cached by an older version would pick by stale speeds.
-PROBE_VERSION = 6
+# width, taken on AVX2-only CPUs too; v6: the GELU in place where the post-op is slower) or the
+# probe itself does (v7: each candidate timed in rounds alternated with float32, and on a small
+# batch too; v6's blocks in sequence let noise pick int8 for e5 on an AVX2 CPU where it was 1.09x
+# fp32 on large batches and slower on small ones): a probe cached by an older version would pick
+# by stale speeds.
+PROBE_VERSION = 7
 
 
 def _cache_path(fingerprint: str, device) -> Path:
@@ -205,7 +218,9 @@ def encoder_precision(requested: str, device, fingerprint: str | None) -> Encode
 def why(probe: ProbeResult, dtype: str) -> str:
     parts = [f"{d}: min cosine {probe.min_cosine[d]:.5f}" for d in probe.min_cosine]
     parts += [f"{d}: unavailable ({r})" for d, r in probe.unavailable.items()]
-    speeds = [f"{d} {probe.tokens_per_s.get(d, 0):.0f} tok/s" for d in probe.passing()]
+    speeds = [f"{d} {probe.tokens_per_s.get(d, 0):.0f} tok/s" + (
+        f" ({probe.small_tokens_per_s[d]:.0f} on 8 texts)" if d in probe.small_tokens_per_s else "")
+        for d in probe.passing()]
     return f"probe ({'; '.join(parts)}); passing: {', '.join(speeds)} -> {dtype}"
 
 

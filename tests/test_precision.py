@@ -147,6 +147,18 @@ def test_fastest_passing_prefers_accuracy_unless_clearly_faster():
     assert _probe(speeds={"float32": 1000, "bfloat16": 250, "int8": 1050}).fastest_passing() == "float32"
 
 
+def test_a_precision_slower_on_small_batches_is_not_picked():
+    """The AVX2 e5 case: int8 a little faster than fp32 on the large batch, slower on 8 texts
+    (where 1 text/request x 8 clients serves): fp32 stays; where the small batch agrees, int8."""
+    probe = _probe(bf16=0.9, speeds={"float32": 1000, "bfloat16": 300, "int8": 1150})
+    probe.small_tokens_per_s = {"float32": 500, "int8": 450}
+    assert probe.fastest_passing() == "float32"
+    probe.small_tokens_per_s["int8"] = 520
+    assert probe.fastest_passing() == "int8"
+    probe.small_tokens_per_s = {"float32": 500}                   # not measured there (an older probe)
+    assert probe.fastest_passing() == "int8"
+
+
 @pytest.mark.parametrize("fast", ["0", "1"])
 def test_auto_probes_once_and_plan_names_what_serve_loads(fast, home, minilm_dir, monkeypatch):
     monkeypatch.setattr(compute, "_current", compute.ComputePaths(fast_bf16=fast))
@@ -206,6 +218,8 @@ def test_int8_is_refused_where_it_drifts(home, minilm_dir, monkeypatch):
 def test_the_real_probe_measures_every_candidate(home, minilm_model):
     result = minilm_model.probe_precisions(("bfloat16", "int8"), TEXTS_EN_ZH_FR[:4])
     assert set(result.tokens_per_s) == {"float32", "bfloat16", "int8"} and min(result.tokens_per_s.values()) > 0
+    assert set(result.small_tokens_per_s) == {"float32", "bfloat16", "int8"}
+    assert min(result.small_tokens_per_s.values()) > 0
     assert result.min_cosine["bfloat16"] >= 0.999 and result.min_cosine["int8"] >= 0.99
     assert result.fastest_passing() in result.passing()
 

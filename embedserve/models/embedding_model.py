@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,29 +196,53 @@ class EmbeddingModel:
         return choice.dtype, encoder
 
     def probe_precisions(self, candidates, texts: list[str] | None = None,
-                         keep: dict | None = None) -> ProbeResult:
-        """Each candidate's minimum cosine to float32 on the probe texts and its speed on one
-        ~2,000-token batch of them (best of three, after a warm-up), float32's too. With `keep`,
-        the encoder of the precision chosen so far stays in it (only that one: memory)."""
+                         keep: dict | None = None, rounds: int = 3) -> ProbeResult:
+        """Each candidate's minimum cosine to float32 on the probe texts, and its speed against
+        float32's on one ~2,000-token batch of them and on 8 of them (what 1 text/request x 8
+        clients forms): after a warm-up, `rounds` rounds alternating float32 and the candidate,
+        the median of the rounds' ratios (sequential blocks let a shared machine's noise decide).
+        The float32 encoder stays loaded while the candidates are measured; with `keep`, so does
+        the encoder of the precision chosen so far (only that one: memory)."""
         ids = self._probe_ids(texts)
-        batch = (ids * (1 + 2000 // sum(map(len, ids))))[:256]
+        big = (ids * (1 + 2000 // sum(map(len, ids))))[:256]
+        small = (ids * 8)[:8]
         result = ProbeResult()
-        ref = None
-        for dtype in ("float32", *candidates):
+        ref = load_encoder(self.path, "float32", self.device)
+        ref_dense = self._dense_with(ref, ids)
+        shapes = ((big, result.tokens_per_s, 1), (small, result.small_tokens_per_s, 4))
+
+        def run(enc, batch, times):
+            for _ in range(times):
+                self.embed_with(enc, batch, {"dense"})
+        for batch, _, times in shapes:
+            run(ref, batch, 1)                                     # warm-up
+        for batch, speeds, times in shapes:
+            speeds["float32"] = times * sum(map(len, batch)) / _timed(lambda: run(ref, batch, times))
+        if keep is not None:
+            keep.clear()
+            keep["float32"] = ref
+        for dtype in candidates:
             try:
                 enc = load_encoder(self.path, dtype, self.device)
                 dense = self._dense_with(enc, ids)
             except RuntimeError as exc:           # e.g. int8 without a working torch.compile
                 result.unavailable[dtype] = str(exc)
                 continue
-            if ref is None:
-                ref = dense
-            else:
-                result.min_cosine[dtype] = _min_cosine(ref, dense)
-            result.tokens_per_s[dtype] = _tokens_per_s(lambda: self.embed_with(enc, batch, {"dense"}), batch)
+            result.min_cosine[dtype] = _min_cosine(ref_dense, dense)
+            for batch, speeds, times in shapes:
+                run(enc, batch, 1)
+                ratios = []
+                for r in range(rounds):          # alternated, the order swapped each round
+                    pair = [(ref, 0), (enc, 1)] if r % 2 == 0 else [(enc, 1), (ref, 0)]
+                    t = [0.0, 0.0]
+                    for e, i in pair:
+                        t[i] = _timed(lambda: run(e, batch, times))
+                    ratios.append(t[0] / max(t[1], 1e-9))
+                speeds[dtype] = speeds["float32"] * statistics.median(ratios)
             if keep is not None and result.fastest_passing() == dtype:
                 keep.clear()
                 keep[dtype] = enc
+            del enc
         return result
 
     def agreement(self, dtype: str, texts: list[str] | None = None) -> float:
@@ -354,12 +379,6 @@ class EmbeddingModel:
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     return float(cos.min())
-
-
-def _tokens_per_s(run, batch: list[list[int]], repeats: int = 3) -> float:
-    run()                                               # warm-up (allocations, oneDNN kernels)
-    best = min(_timed(run) for _ in range(repeats))
-    return sum(map(len, batch)) / max(best, 1e-9)
 
 
 def _timed(run) -> float:
