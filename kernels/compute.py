@@ -38,6 +38,9 @@ class ComputePaths:
         "choices": ("auto", "c", "sdpa", "torch"),
         "help": "CPU C kernels: auto or c (built and used), sdpa (encoder keeps torch SDPA, the "
                 "decode kernels stay), torch (no C kernels at all)"})
+    amx_attention: bool = field(default=True, metadata={
+        "help": "the encoder's bf16 attention as AMX tile products where the CPU has AMX-BF16 "
+                "(head_dim 32 or 64); false keeps the vector C kernel"})
     packed_linear: bool = field(default=True, metadata={
         "help": "linear weights reordered once into oneDNN's blocked layout (CPU)"})
     decode_gemv: bool = field(default=True, metadata={

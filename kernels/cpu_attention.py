@@ -11,7 +11,8 @@ step in bf16 (`python -m embedserve.studies.profile decode`): SDPA 5.4 ms + gath
 20.9 ms. The kernel reads K/V in place through the block table, loads each K/V row once for
 the query heads that share it, and accumulates in float32. For the encoder, SDPA over padded
 length groups ran its small-head (d = 32) problems at ~40 GFLOP/s, 26-29 % of the forward; the
-varlen kernel computes no padding and register-blocks the scores (8 query rows x 16 keys with AVX-512, 4 with AVX2).
+varlen kernel computes no padding and register-blocks the scores (8 query rows x 16 keys with AVX-512, 4 with AVX2);
+in bf16 on a CPU with AMX-BF16 its twin computes Q K^T and P V as tile products (`amx_attention_runs`).
 
 The shared library is cached under $EMBEDSERVE_HOME/kernels, keyed by the source, the flags
 and the CPU (it is built with -march=native): a build is ~1 s, once per machine. No compiler,
@@ -149,6 +150,8 @@ def _load(mode: str = "auto") -> tuple[ctypes.CDLL | None, str | None]:
         for suffix in _SUFFIX.values():
             fn = getattr(lib, f"{kernel}_{suffix}")
             fn.argtypes, fn.restype = args, ctypes.c_int
+    lib.varlen_attention_bf16_amx.argtypes, lib.varlen_attention_bf16_amx.restype = _VARLEN_ARGS, ctypes.c_int
+    lib.amx_available.argtypes, lib.amx_available.restype = [], ctypes.c_int
     lib.gemv_f32.argtypes, lib.gemv_f32.restype = _GEMV_ARGS, ctypes.c_int
     lib.gemv_w8_f32.argtypes, lib.gemv_w8_f32.restype = _GEMV_W8_ARGS, ctypes.c_int
     if lib.w8_layout() != W8_ROWS * 100 + W8_COLS:
@@ -212,6 +215,16 @@ def varlen_preferred() -> bool:
     return compute.current().cpu_attention in ("auto", "c")
 
 
+def amx_attention_runs(qkv: torch.Tensor, num_heads: int) -> bool:
+    """Whether `varlen_attention` takes its AMX tile kernel for this input: bf16, head_dim 32 or
+    64, a library built for a CPU with AMX-BF16 whose tiles Linux lets this process use, and the
+    `amx_attention` switch on."""
+    lib = _library()[0]                                  # amx_available() asks Linux once per process
+    return (lib is not None and compute.current().amx_attention and qkv.dtype == torch.bfloat16
+            and qkv.shape[-1] // (3 * num_heads) in (32, 64) and varlen_supports(qkv, num_heads)
+            and lib.amx_available() == 1)
+
+
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
     """Bidirectional attention of packed sequences (an encoder's): qkv [T, 3 * nh * hd] (each
     token's q | k | v), sequence b = rows cu_seqlens[b]:cu_seqlens[b + 1] -> [T, nh * hd]. No
@@ -227,8 +240,10 @@ def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int
     qkv = qkv.contiguous()
     cu = cu_seqlens.to(torch.int32).contiguous()
     out = torch.empty(T, num_heads * hd, dtype=qkv.dtype)
-    rc = getattr(lib, "varlen_attention_" + _SUFFIX[qkv.dtype])(qkv.data_ptr(), out.data_ptr(), cu.data_ptr(), cu.numel() - 1, num_heads, hd,
-                            float(scale), torch.get_num_threads())
+    fn = (lib.varlen_attention_bf16_amx if amx_attention_runs(qkv, num_heads)
+          else getattr(lib, "varlen_attention_" + _SUFFIX[qkv.dtype]))
+    rc = fn(qkv.data_ptr(), out.data_ptr(), cu.data_ptr(), cu.numel() - 1, num_heads, hd, float(scale),
+            torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"cpu varlen attention failed (code {rc})")
     return out

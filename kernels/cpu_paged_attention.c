@@ -2,7 +2,8 @@
  * residual add + LayerNorm in one pass, the decoder's glue (RMSNorm, RoPE + K/V store,
  * SiLU * up), a small-batch linear (gemv_f32), its weight-only int8 twin (gemv_w8_f32) and a whole
  * decode step's layers in one call (decode_forward_f32; decode_forward_bf16 with int8 weights), in
- * that order. Vectors are of the machine's width (VW floats: 16 with AVX-512, 8 otherwise); GCC's
+ * that order; and, where the compiler targets AMX-BF16, the encoder's bf16 attention as tile products
+ * (varlen_attention_bf16_amx). Vectors are of the machine's width (VW floats: 16 with AVX-512, 8 otherwise); GCC's
  * generic 16-float vectors on an AVX2-only CPU went through the stack.
  *
  * Paged decode attention: one query token per sequence reads its K/V straight from
@@ -445,6 +446,201 @@ DEFINE_HEAD(varlen_head_f32, float, load_f32, store_f32, k_transpose_f32)
 DEFINE_HEAD(varlen_head_bf16, uint16_t, load_bf16, store_bf16, k_transpose_bf16)
 DEFINE_VARLEN(varlen_attention_f32, varlen_head_f32, float)
 DEFINE_VARLEN(varlen_attention_bf16, varlen_head_bf16, uint16_t)
+
+/* ------------------------------------------------------------ encoder attention on AMX tiles
+ * The varlen kernel's contract for bf16 q/k/v with head_dim 32 or 64, where the compiler targets
+ * AMX-BF16 (Intel Xeon from Sapphire Rapids): the scores (Q K^T) and the values' sum (P V) are
+ * tile products, each tdpbf16ps a 16 x 16 x 32 block with float32 sums; the softmax runs in
+ * float32 vectors between them. The probabilities enter P V rounded to bf16 (as SDPA's bf16
+ * path does) and are normalized by the sum of those rounded values.
+ *
+ *   scores, per 16 query rows:  Q [16 x hd] (tile 1, and 3 for hd 64: read in place, rows 3H
+ *                               apart) x K^T [hd x 16 keys] (tile 2: K's 32-bit bf16 pairs, gathered)
+ *                               -> tile 0 [16 x 16] float32, stored into s [16 x L32]
+ *   values:                     P [16 x 32 keys] (tile 1, bf16) x V [32 keys x 16 dims] (tiles
+ *                               2, 3: key pairs interleaved) -> tiles 4..7 [16 x 16] float32
+ */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_tilecfg;
+
+/* 1 where this process may use AMX tiles: Linux hands out their state only on request
+ * (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once per process */
+int amx_available(void) {
+    static int ok = -1;
+    if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ok;
+}
+
+/* lanes j < n of 16 (none for n <= 0) */
+static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
+
+/* e^x for x <= 0 in float32 (softmax terms, rounded to bf16 after): 2^n e^r with n = round(x / ln 2),
+ * r = x - n ln 2 (in two parts), e^r by its Taylor series to r^6 (|r| <= ln 2 / 2: error < 2e-7) */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __attribute__((always_inline)) void amx_head(const uint16_t *qkv, uint16_t *out, int64_t start,
+        int64_t L, int64_t h, int64_t nh, const int64_t HD, float scale, char *buf) {
+    const int64_t H = nh * HD, row = 3 * H, L16 = (L + 15) / 16 * 16, L32 = (L + 31) / 32 * 32;
+    uint32_t *kb = (uint32_t *)buf;                       /* [L16 / 16][HD / 2][16]: K^T in bf16 pairs */
+    uint16_t *vb = (uint16_t *)(kb + L16 * HD / 2);       /* [L32 / 32][HD / 16][16 pairs][32]: V */
+    float *s = (float *)(vb + L32 * HD);                  /* [16][L32] scores */
+    uint16_t *pb = (uint16_t *)(s + 16 * L32);            /* [16][L32] probabilities, bf16 */
+    float *o = (float *)(pb + 16 * L32);                  /* [16][HD] a row block's P V */
+    uint16_t *qp = (uint16_t *)(o + 16 * HD);             /* [16][HD] a short row block's queries */
+    const uint16_t *k = qkv + start * row + H + h * HD, *v = k + H, *q = k - H;
+    /* K^T: 16 keys' 32-bit pair p per gather, zero past the last key */
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)(row / 2)));
+    for (int64_t c = 0; c < L16; c += 16) {
+        const int64_t n = L - c < 16 ? L - c : 16;
+        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        const int *base = (const int *)(k + c * row);
+        for (int64_t p = 0; p < HD / 2; p++)
+            _mm512_storeu_si512(kb + (c / 16 * (HD / 2) + p) * 16,
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + p, 4));
+    }
+    /* V: keys j, j + 1 interleaved per 16-dim block: row (j / 2) of the block = v[j][d], v[j + 1][d], ... */
+    uint16_t perm[2][32];
+    for (int e = 0; e < 2; e++) for (int i = 0; i < 16; i++) { perm[e][2 * i] = (uint16_t)(16 * e + i);
+                                                               perm[e][2 * i + 1] = (uint16_t)(32 + 16 * e + i); }
+    const __m512i p0 = _mm512_loadu_si512(perm[0]), p1 = _mm512_loadu_si512(perm[1]);
+    for (int64_t j = 0; j < L32; j += 2) {
+        for (int64_t half = 0; half < HD / 32; half++) {
+            const __m512i a = j < L ? _mm512_loadu_si512(v + j * row + 32 * half) : _mm512_setzero_si512();
+            const __m512i b = j + 1 < L ? _mm512_loadu_si512(v + (j + 1) * row + 32 * half) : _mm512_setzero_si512();
+            uint16_t *dst = vb + ((j / 32) * (HD / 16) + 2 * half) * 512 + (j % 32) / 2 * 32;
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, p0, b));
+            _mm512_storeu_si512(dst + 512, _mm512_permutex2var_epi16(a, p1, b));
+        }
+    }
+    for (int64_t i0 = 0; i0 < L; i0 += 16) {
+        const int64_t nr = L - i0 < 16 ? L - i0 : 16;
+        const uint16_t *qs = q + i0 * row;
+        int64_t qstride = row * 2;
+        if (nr < 16) {                                    /* no reads past the sequence's rows */
+            memset(qp, 0, 16 * HD * 2);
+            for (int64_t r = 0; r < nr; r++) memcpy(qp + r * HD, qs + r * row, HD * 2);
+            qs = qp;
+            qstride = HD * 2;
+        }
+        _tile_loadd(1, qs, qstride);
+        if (HD == 64) _tile_loadd(3, qs + 32, qstride);
+        for (int64_t c = 0; c < L16; c += 32) {          /* two key blocks at a time: tiles 0 and 4 */
+            const uint32_t *k0 = kb + c / 16 * (HD / 2) * 16, *k1 = k0 + HD / 2 * 16;
+            const int two = c + 16 < L16;
+            _tile_zero(0);
+            _tile_loadd(2, k0, 64);
+            _tile_dpbf16ps(0, 1, 2);
+            if (two) { _tile_zero(4); _tile_loadd(5, k1, 64); _tile_dpbf16ps(4, 1, 5); }
+            if (HD == 64) {
+                _tile_loadd(2, k0 + 256, 64);
+                _tile_dpbf16ps(0, 3, 2);
+                if (two) { _tile_loadd(5, k1 + 256, 64); _tile_dpbf16ps(4, 3, 5); }
+            }
+            _tile_stored(0, s + c, L32 * 4);
+            if (two) _tile_stored(4, s + c + 16, L32 * 4);
+        }
+        float inv[16];
+        for (int64_t r = 0; r < 16; r++) {                /* softmax over the L real keys */
+            const float *sr = s + r * L32;
+            uint16_t *pr = pb + r * L32;
+            if (r >= nr) { memset(pr, 0, L32 * 2); inv[r] = 0.f; continue; }
+            __m512 vm = _mm512_set1_ps(-FLT_MAX), vz = _mm512_setzero_ps();
+            for (int64_t j = 0; j < L; j += 16)
+                vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(vm, lanes16(L - j), sr + j));
+            const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm) * scale), sc = _mm512_set1_ps(scale);
+            for (int64_t j = 0; j < L32; j += 16) {       /* zeros past the last key */
+                const __mmask16 m = lanes16(L - j);
+                const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, sr + j), sc, mx)));
+                const __m256i b = (__m256i)_mm512_cvtneps_pbh(e);          /* round to nearest even */
+                _mm256_storeu_si256((__m256i *)(pr + j), b);
+                vz = _mm512_add_ps(vz, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+            }
+            inv[r] = 1.f / _mm512_reduce_add_ps(vz);
+        }
+        _tile_zero(4); _tile_zero(5);
+        if (HD == 64) { _tile_zero(6); _tile_zero(7); }
+        for (int64_t kc = 0; kc < L32; kc += 32) {
+            const uint16_t *vk = vb + (kc / 32) * (HD / 16) * 512;
+            _tile_loadd(1, pb + kc, L32 * 2);
+            _tile_loadd(2, vk, 64);
+            _tile_dpbf16ps(4, 1, 2);
+            _tile_loadd(3, vk + 512, 64);
+            _tile_dpbf16ps(5, 1, 3);
+            if (HD == 64) {
+                _tile_loadd(2, vk + 1024, 64);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_loadd(3, vk + 1536, 64);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+        }
+        _tile_stored(4, o, HD * 4);
+        _tile_stored(5, o + 16, HD * 4);
+        if (HD == 64) { _tile_stored(6, o + 32, HD * 4); _tile_stored(7, o + 48, HD * 4); }
+        for (int64_t r = 0; r < nr; r++) {
+            uint16_t *dst = out + (start + i0 + r) * H + h * HD;
+            for (int64_t d = 0; d < HD; d++) dst[d] = f32_to_bf16(o[r * HD + d] * inv[r]);
+        }
+    }
+}
+
+int varlen_attention_bf16_amx(const uint16_t *qkv, uint16_t *out, const int32_t *cu, int64_t num_seqs,
+                              int64_t nh, int64_t hd, float scale, int num_threads) {
+    if ((hd != 32 && hd != 64) || !amx_available()) return -1;
+    int64_t lmax = 0;
+    for (int64_t b = 0; b < num_seqs; b++) lmax = cu[b + 1] - cu[b] > lmax ? cu[b + 1] - cu[b] : lmax;
+    const int64_t L16 = (lmax + 15) / 16 * 16, L32 = (lmax + 31) / 32 * 32;
+    const size_t bytes = (size_t)(L16 * hd * 2 + L32 * hd * 2 + 16 * L32 * 4 + 16 * L32 * 2 + 16 * hd * 4
+                                  + 16 * hd * 2 + 63) / 64 * 64;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        amx_tilecfg cfg;                                  /* every tile 16 rows x 64 bytes */
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+        _tile_loadconfig(&cfg);
+        char *buf = (char *)aligned_alloc(64, bytes);     /* this thread's scratch, for the longest sequence */
+        if (!buf) failed = 1;
+        _Pragma("omp for collapse(2) schedule(dynamic, 1)")
+        for (int64_t b = 0; b < num_seqs; b++) {
+            for (int64_t h = 0; h < nh; h++) {
+                const int64_t L = cu[b + 1] - cu[b];
+                if (L <= 0 || !buf) continue;
+                if (hd == 32) amx_head(qkv, out, cu[b], L, h, nh, 32, scale, buf);
+                else amx_head(qkv, out, cu[b], L, h, nh, 64, scale, buf);
+            }
+        }
+        free(buf);
+        _tile_release();
+    }
+    return failed ? -2 : 0;
+}
+#else
+int amx_available(void) { return 0; }
+int varlen_attention_bf16_amx(const uint16_t *qkv, uint16_t *out, const int32_t *cu, int64_t num_seqs,
+                              int64_t nh, int64_t hd, float scale, int num_threads) {
+    (void)qkv; (void)out; (void)cu; (void)num_seqs; (void)nh; (void)hd; (void)scale; (void)num_threads;
+    return -1;
+}
+#endif
 
 /* ---------------------------------------------------------------------------------------------
  * The encoder's residual and LayerNorm in one pass: out[t] = LN(x[t] + y[t]) * w + b over the

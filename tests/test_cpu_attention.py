@@ -134,6 +134,40 @@ def test_varlen_attention_equals_per_sequence_sdpa(nh, hd, dtype):
     torch.testing.assert_close(ours.double(), _varlen_reference(qkv, lens, nh), rtol=tol, atol=tol)
 
 
+_BF16_QKV = torch.zeros(1, 3 * 12 * 32, dtype=torch.bfloat16)
+AMX = WHY is None and cpu_attention.amx_attention_runs(_BF16_QKV, 12)
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX-BF16 tiles here (the CPU's flags, the C kernel's build, or Linux "
+                                    "refused them): the vector kernel serves bf16, tested above")
+@pytest.mark.parametrize("nh,hd", [(12, 32), (6, 64)])
+def test_amx_attention_equals_sdpa_and_the_vector_kernel(nh, hd):
+    """The AMX tile kernel against float64 SDPA and the vector kernel, on lengths around its
+    16-row and 32-key blocks. Tolerance as the bf16 case above: the output is rounded to bf16
+    (2^-9 relative), and the probabilities are too before P V (as SDPA's bf16 path does)."""
+    g = torch.Generator().manual_seed(7 * nh + hd)
+    lens = [1, 2, 15, 16, 17, 31, 32, 33, 48, 64, 65, 300, 5]
+    qkv = (2 * torch.randn(sum(lens), 3 * nh * hd, generator=g)).bfloat16()      # wide scores: a peaked softmax
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    assert cpu_attention.amx_attention_runs(qkv, nh)
+    amx = cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5)
+    with compute.override(amx_attention=False):
+        assert not cpu_attention.amx_attention_runs(qkv, nh)
+        vector = cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5)
+    ref = _varlen_reference(qkv, lens, nh)
+    torch.testing.assert_close(amx.double(), ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(amx.double(), vector.double(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(amx, cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5))     # deterministic
+
+
+def test_amx_attention_takes_only_bf16_at_head_sizes_32_and_64():
+    assert not cpu_attention.amx_attention_runs(torch.zeros(1, 3 * 12 * 32), 12)              # float32
+    assert not cpu_attention.amx_attention_runs(torch.zeros(1, 3 * 4 * 16, dtype=torch.bfloat16), 4)
+    assert not cpu_attention.amx_attention_runs(torch.zeros(1, 3 * 2 * 48, dtype=torch.bfloat16), 2)
+    with compute.override(amx_attention=False):
+        assert not cpu_attention.amx_attention_runs(_BF16_QKV, 12)
+
+
 def test_varlen_refuses_what_it_cannot_run():
     qkv = torch.randn(10, 3 * 4 * 40)
     assert not cpu_attention.varlen_supports(qkv, 4)                       # head_dim 40

@@ -7,13 +7,16 @@ decoder's step as it runs against the same step with its `gemv` (steps of up to 
 replaced by the packed matmul and with its C glue kernels replaced by the torch ops (fp32, 1 and
 16 sequences, alternated blocks of steps in one engine), and the engine's batched sampler against
 the per-row sort sampler it replaced; and the bf16 decoder's step with its GEMV (AVX512-BF16)
-against oneDNN op by op, at 1-8 sequences. The choices `embedserve.models.int8`,
+against oneDNN op by op, at 1-8 sequences; and the bf16 encoder attention on AMX tiles against the vector
+kernel (alone and in the bf16 encoders). The choices `embedserve.models.int8`,
 `kernels.cpu_attention.varlen_preferred`, `cpu_attention.decoder_glue_supports`,
-`GEMV_MAX_ROWS`, `GEMV_BF16_MAX_ROWS` and the GELU's make by CPU rest on these numbers.
+`GEMV_MAX_ROWS`, `GEMV_BF16_MAX_ROWS`, `cpu_attention.amx_attention_runs` and the GELU's make by CPU
+rest on these numbers.
 
     python -m embedserve.studies.cpu_paths            # ~10 minutes on 2 AVX2 cores; prints a markdown table
     python -m embedserve.studies.cpu_paths --only sampler       # one section (seconds)
     python -m embedserve.studies.cpu_paths --only decoder_bf16  # ~2 minutes on 2 Zen 4 cores
+    python -m embedserve.studies.cpu_paths --only attention_bf16  # ~1 minute on 2 AMX Xeon cores
 """
 
 from __future__ import annotations
@@ -85,6 +88,50 @@ def attention() -> list[dict]:
         out.append({"heads": f"{nh} x {hd}", "tokens": int(lens.sum()),
                     "c_kernel_ms": _best_ms(lambda: cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5)),
                     "sdpa_per_sequence_ms": _best_ms(sdpa)})
+    return out
+
+
+def attention_bf16(rounds: int = 5) -> list[dict]:
+    """bf16 encoder attention on AMX tiles against the vector C kernel (`amx_attention` off): the
+    kernel alone on the `attention` section's sequences, and the bf16 encoders in process on
+    `encoders`' texts in 4,096-token batches; the two sides alternated, medians of `rounds`."""
+    from embedserve.embedders import token_batches
+    from embedserve.models.embedding_model import EmbeddingModel
+    from embedserve.models.registry import resolve_model
+    from kernels import compute, cpu_attention
+    if cpu_attention.available() is not None:
+        return [{"not_run": cpu_attention.available()}]
+    if not cpu_attention.amx_attention_runs(torch.zeros(1, 3 * 12 * 32, dtype=torch.bfloat16), 12):
+        return [{"not_run": "no AMX-BF16 tiles here (the CPU's flags, or Linux refused them)"}]
+
+    def alternated(fn) -> dict[bool, float]:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(rounds):
+            for amx in (True, False):
+                with compute.override(amx_attention=amx):
+                    times[amx].append(fn())
+        return {k: statistics.median(v) for k, v in times.items()}
+
+    out = []
+    for nh, hd in ((12, 32), (6, 64)):
+        g = torch.Generator().manual_seed(nh * hd)
+        lens = torch.randint(8, 160, (64,), generator=g)
+        cu = torch.zeros(65, dtype=torch.int32)
+        cu[1:] = lens.cumsum(0)
+        qkv = torch.randn(int(lens.sum()), 3 * nh * hd, generator=g).bfloat16()
+        ms = alternated(lambda: _best_ms(lambda: cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5), reps=3))
+        out.append({"case": f"kernel, {nh} x {hd} heads, {int(lens.sum())} tokens", "unit": "ms",
+                    "amx": ms[True], "vector": ms[False], "speedup": ms[False] / ms[True]})
+    texts = [("The river %d crosses the valley, " % i) * (4 + i % 40) for i in range(160)]
+    for m in ("all-MiniLM-L6-v2", "multilingual-e5-small"):
+        name, path = resolve_model(m)
+        model = EmbeddingModel(path, name=name, dtype="bfloat16")
+        ids = sorted((model.truncate(x) for x in model.tokenize(texts)), key=len)
+        batches = [[ids[i] for i in b] for b in token_batches([len(x) for x in ids], 4096)]
+        tokens = sum(map(len, ids))
+        ms = alternated(lambda: _best_ms(lambda: [model.embed(b, {"dense"}) for b in batches], reps=2))
+        out.append({"case": f"{m} bf16 encoder, {tokens} tokens", "unit": "tokens/s", "amx": tokens / ms[True] * 1e3,
+                    "vector": tokens / ms[False] * 1e3, "speedup": ms[False] / ms[True]})
     return out
 
 
@@ -281,6 +328,10 @@ def markdown(res: dict) -> str:
                   "|---|---|---|"]
         lines += [f"| {r['heads']} heads, {r['tokens']} tokens | {r['c_kernel_ms']:.1f} | {r['sdpa_per_sequence_ms']:.1f} |"
                   if "not_run" not in r else f"| not run: {r['not_run']} | | |" for r in res["attention"]]
+    if res.get("attention_bf16"):
+        lines += ["", "| bf16 encoder attention | AMX tiles | vector kernel | AMX / vector |", "|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['amx']:,.1f} {r['unit']} | {r['vector']:,.1f} {r['unit']} | {r['speedup']:.2f}× |"
+                  if "not_run" not in r else f"| not run: {r['not_run']} | | | |" for r in res["attention_bf16"]]
     if res.get("encoders"):
         lines += ["", "| encoder in process, 4,096-token batches | attention | GELU | fp32 tokens/s | int8 tokens/s | "
                   "int8 / fp32 | fp32 with SDPA tokens/s | kernel / SDPA | fp32 with the other GELU tokens/s | "
@@ -313,10 +364,11 @@ def main(argv=None) -> int:
     from embedserve.precision import cpu_flags, cpu_model
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="result file [default: results/cpu_paths-<flags>.json]")
-    ap.add_argument("--only", default=None, help="comma-separated sections to run (matmuls, attention, encoders, "
+    ap.add_argument("--only", default=None, help="comma-separated sections to run (matmuls, attention, attention_bf16, encoders, "
                     "decoder, decoder_bf16, sampler) [default: all]")
     args = ap.parse_args(argv)
-    sections = {"matmuls": matmuls, "attention": attention, "encoders": encoders, "decoder": decoder,
+    sections = {"matmuls": matmuls, "attention": attention, "attention_bf16": attention_bf16, "encoders": encoders,
+                "decoder": decoder,
                 "decoder_bf16": decoder_bf16, "sampler": sampler}
     chosen = [x.strip() for x in args.only.split(",")] if args.only else list(sections)
     unknown = sorted(set(chosen) - set(sections))
