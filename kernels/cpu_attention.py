@@ -217,10 +217,12 @@ def varlen_preferred() -> bool:
 
 def amx_attention_runs(qkv: torch.Tensor, num_heads: int) -> bool:
     """Whether `varlen_attention` takes its AMX tile kernel for this input: bf16, head_dim 32 or
-    64, a library built for a CPU with AMX-BF16 whose tiles Linux lets this process use, and the
-    `amx_attention` switch on."""
+    64, a library built for a CPU with AMX-BF16 whose tiles Linux lets this process use, the
+    `amx_attention` switch on and bf16 not declared slow (`fast_bf16=0` imitates a CPU without it,
+    as for the bf16 GEMV)."""
     lib = _library()[0]                                  # amx_available() asks Linux once per process
-    return (lib is not None and compute.current().amx_attention and qkv.dtype == torch.bfloat16
+    paths = compute.current()
+    return (lib is not None and paths.amx_attention and paths.fast_bf16 != "0" and qkv.dtype == torch.bfloat16
             and qkv.shape[-1] // (3 * num_heads) in (32, 64) and varlen_supports(qkv, num_heads)
             and lib.amx_available() == 1)
 

@@ -301,6 +301,9 @@ DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, attend_vec_bf16, uint16_
  * mask) where a scalar loop spent ~3 instructions per element: at the encoder's short sequences
  * that transpose was most of the kernel (profile: 2.6 us per (sequence, head) at 16 tokens). */
 #if defined(__AVX512F__)
+/* lanes j < n of 16 (none for n <= 0) */
+static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
+
 static inline __m512i gather_index(int64_t stride) {
     return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                               _mm512_set1_epi32((int)stride));
@@ -308,8 +311,7 @@ static inline __m512i gather_index(int64_t stride) {
 static inline void k_transpose_f32(const float *k, int64_t row, int64_t L, int64_t Lp, int64_t HD, float *kt) {
     const __m512i idx = gather_index(row);
     for (int64_t c = 0; c < Lp; c += 16) {
-        const int64_t n = L - c < 16 ? (L - c > 0 ? L - c : 0) : 16;
-        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        const __mmask16 m = lanes16(L - c);
         const float *base = k + c * row;
         for (int64_t d = 0; d < HD; d++)
             _mm512_storeu_ps(kt + d * Lp + c, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, base + d, 4));
@@ -318,8 +320,7 @@ static inline void k_transpose_f32(const float *k, int64_t row, int64_t L, int64
 static inline void k_transpose_bf16(const uint16_t *k, int64_t row, int64_t L, int64_t Lp, int64_t HD, float *kt) {
     const __m512i idx = gather_index(row / 2), hi = _mm512_set1_epi32((int)0xffff0000u);
     for (int64_t c = 0; c < Lp; c += 16) {
-        const int64_t n = L - c < 16 ? (L - c > 0 ? L - c : 0) : 16;
-        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        const __mmask16 m = lanes16(L - c);
         const int *base = (const int *)(k + c * row);
         for (int64_t p = 0; p < HD / 2; p++) {
             const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + p, 4);
@@ -474,9 +475,6 @@ int amx_available(void) {
     return ok;
 }
 
-/* lanes j < n of 16 (none for n <= 0) */
-static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
-
 /* e^x for x <= 0 in float32 (softmax terms, rounded to bf16 after): 2^n e^r with n = round(x / ln 2),
  * r = x - n ln 2 (in two parts), e^r by its Taylor series to r^6 (|r| <= ln 2 / 2: error < 2e-7) */
 static inline __m512 exp512(__m512 x) {
@@ -506,11 +504,9 @@ static inline __attribute__((always_inline)) void amx_head(const uint16_t *qkv, 
     uint16_t *qp = (uint16_t *)(o + 16 * HD);             /* [16][HD] a short row block's queries */
     const uint16_t *k = qkv + start * row + H + h * HD, *v = k + H, *q = k - H;
     /* K^T: 16 keys' 32-bit pair p per gather, zero past the last key */
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)(row / 2)));
+    const __m512i idx = gather_index(row / 2);
     for (int64_t c = 0; c < L16; c += 16) {
-        const int64_t n = L - c < 16 ? L - c : 16;
-        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        const __mmask16 m = lanes16(L - c);
         const int *base = (const int *)(k + c * row);
         for (int64_t p = 0; p < HD / 2; p++)
             _mm512_storeu_si512(kb + (c / 16 * (HD / 2) + p) * 16,

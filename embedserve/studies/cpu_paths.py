@@ -67,6 +67,29 @@ def matmuls() -> list[dict]:
     return out
 
 
+def _varlen_case(nh: int, hd: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention sections' input: 64 packed sequences of 8-159 tokens, (qkv, cu_seqlens)."""
+    g = torch.Generator().manual_seed(nh * hd)
+    lens = torch.randint(8, 160, (64,), generator=g)
+    cu = torch.zeros(65, dtype=torch.int32)
+    cu[1:] = lens.cumsum(0)
+    return torch.randn(int(lens.sum()), 3 * nh * hd, generator=g).to(dtype), cu
+
+
+def _encoder_workload(m: str, dtype: str):
+    """The encoder sections' workload: model `m` in `dtype`, 160 texts of 4-43 sentences in
+    length-sorted 4,096-token batches -> (model, batches, real tokens)."""
+    from embedserve.embedders import token_batches
+    from embedserve.models.embedding_model import EmbeddingModel
+    from embedserve.models.registry import resolve_model
+    texts = [("The river %d crosses the valley, " % i) * (4 + i % 40) for i in range(160)]
+    name, path = resolve_model(m)
+    model = EmbeddingModel(path, name=name, dtype=dtype)
+    ids = sorted((model.truncate(x) for x in model.tokenize(texts)), key=len)
+    batches = [[ids[i] for i in b] for b in token_batches([len(x) for x in ids], 4096)]
+    return model, batches, sum(map(len, ids))
+
+
 def attention() -> list[dict]:
     import torch.nn.functional as F
 
@@ -75,17 +98,13 @@ def attention() -> list[dict]:
     if cpu_attention.available() is not None:
         return [{"not_run": cpu_attention.available()}]
     for nh, hd in ((12, 32), (6, 64)):
-        g = torch.Generator().manual_seed(nh * hd)
-        lens = torch.randint(8, 160, (64,), generator=g)
-        cu = torch.zeros(65, dtype=torch.int32)
-        cu[1:] = lens.cumsum(0)
-        qkv = torch.randn(int(lens.sum()), 3 * nh * hd, generator=g)
+        qkv, cu = _varlen_case(nh, hd)
 
         def sdpa():
             for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
                 q, k, v = qkv[s:e].view(e - s, 3, nh, hd).permute(1, 2, 0, 3)
                 F.scaled_dot_product_attention(q[None], k[None], v[None])
-        out.append({"heads": f"{nh} x {hd}", "tokens": int(lens.sum()),
+        out.append({"heads": f"{nh} x {hd}", "tokens": len(qkv),
                     "c_kernel_ms": _best_ms(lambda: cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5)),
                     "sdpa_per_sequence_ms": _best_ms(sdpa)})
     return out
@@ -95,9 +114,6 @@ def attention_bf16(rounds: int = 5) -> list[dict]:
     """bf16 encoder attention on AMX tiles against the vector C kernel (`amx_attention` off): the
     kernel alone on the `attention` section's sequences, and the bf16 encoders in process on
     `encoders`' texts in 4,096-token batches; the two sides alternated, medians of `rounds`."""
-    from embedserve.embedders import token_batches
-    from embedserve.models.embedding_model import EmbeddingModel
-    from embedserve.models.registry import resolve_model
     from kernels import compute, cpu_attention
     if cpu_attention.available() is not None:
         return [{"not_run": cpu_attention.available()}]
@@ -114,21 +130,12 @@ def attention_bf16(rounds: int = 5) -> list[dict]:
 
     out = []
     for nh, hd in ((12, 32), (6, 64)):
-        g = torch.Generator().manual_seed(nh * hd)
-        lens = torch.randint(8, 160, (64,), generator=g)
-        cu = torch.zeros(65, dtype=torch.int32)
-        cu[1:] = lens.cumsum(0)
-        qkv = torch.randn(int(lens.sum()), 3 * nh * hd, generator=g).bfloat16()
+        qkv, cu = _varlen_case(nh, hd, torch.bfloat16)
         ms = alternated(lambda: _best_ms(lambda: cpu_attention.varlen_attention(qkv, cu, nh, hd ** -0.5), reps=3))
-        out.append({"case": f"kernel, {nh} x {hd} heads, {int(lens.sum())} tokens", "unit": "ms",
+        out.append({"case": f"kernel, {nh} x {hd} heads, {len(qkv)} tokens", "unit": "ms",
                     "amx": ms[True], "vector": ms[False], "speedup": ms[False] / ms[True]})
-    texts = [("The river %d crosses the valley, " % i) * (4 + i % 40) for i in range(160)]
     for m in ("all-MiniLM-L6-v2", "multilingual-e5-small"):
-        name, path = resolve_model(m)
-        model = EmbeddingModel(path, name=name, dtype="bfloat16")
-        ids = sorted((model.truncate(x) for x in model.tokenize(texts)), key=len)
-        batches = [[ids[i] for i in b] for b in token_batches([len(x) for x in ids], 4096)]
-        tokens = sum(map(len, ids))
+        model, batches, tokens = _encoder_workload(m, "bfloat16")
         ms = alternated(lambda: _best_ms(lambda: [model.embed(b, {"dense"}) for b in batches], reps=2))
         out.append({"case": f"{m} bf16 encoder, {tokens} tokens", "unit": "tokens/s", "amx": tokens / ms[True] * 1e3,
                     "vector": tokens / ms[False] * 1e3, "speedup": ms[False] / ms[True]})
@@ -136,20 +143,12 @@ def attention_bf16(rounds: int = 5) -> list[dict]:
 
 
 def encoders() -> list[dict]:
-    from embedserve.embedders import token_batches
-    from embedserve.models.embedding_model import EmbeddingModel
     from embedserve.models.encoder import load_encoder
-    from embedserve.models.registry import resolve_model
     from kernels import cpu_attention
-    texts = [("The river %d crosses the valley, " % i) * (4 + i % 40) for i in range(160)]
     out = []
     for m in ("all-MiniLM-L6-v2", "multilingual-e5-small"):
-        name, path = resolve_model(m)
-        model = EmbeddingModel(path, name=name, dtype="float32")
-        ids = sorted((model.truncate(x) for x in model.tokenize(texts)), key=len)
-        batches = [[ids[i] for i in b] for b in token_batches([len(x) for x in ids], 4096)]
-        tokens = sum(map(len, ids))
-        encs = {"float32": model.encoder, "int8": load_encoder(path, "int8")}
+        model, batches, tokens = _encoder_workload(m, "float32")
+        encs = {"float32": model.encoder, "int8": load_encoder(model.path, "int8")}
         row = {"model": m, "tokens": tokens,
                "attention": "C kernel" if cpu_attention.varlen_preferred() else "SDPA"}
         ups = [layer["ffn_up"] for layer in model.encoder.layers]
