@@ -41,6 +41,10 @@ class ComputePaths:
     amx_attention: bool = field(default=True, metadata={
         "help": "the encoder's bf16 attention as AMX tile products where the CPU has AMX-BF16 "
                 "(head_dim 32 or 64); false keeps the vector C kernel"})
+    bucket_rows: bool = field(default=True, metadata={
+        "help": "an encoder batch's token rows padded up to one of 16 row counts per doubling (CPU): "
+                "oneDNN builds a matmul per row count it meets (~10 ms for a bf16 AMX linear), so the "
+                "server's ever-new batch sizes each paid it; false runs the exact row count"})
     packed_linear: bool = field(default=True, metadata={
         "help": "linear weights reordered once into oneDNN's blocked layout (CPU)"})
     decode_gemv: bool = field(default=True, metadata={

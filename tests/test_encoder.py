@@ -106,3 +106,42 @@ def test_first_tokens_only_equal_the_full_forwards_first_rows(minilm_dir, dtype)
     assert first.shape == (len(lengths), enc.cfg.hidden_size)
     tol = 1e-5 if dtype == torch.float32 else 0.05 * float(full.abs().max())
     assert float((first - full).abs().max()) <= tol
+
+
+def test_bucket_rows_rounds_up_by_at_most_a_sixteenth_and_repeats():
+    from embedserve.models.encoder import bucket_rows
+    for T in range(1, 9000):
+        b = bucket_rows(T)
+        assert T <= b <= max(T + 7, T * 17 / 16), T
+        assert bucket_rows(b) == b, T                          # a bucket is its own bucket
+    assert len({bucket_rows(T) for T in range(2048, 4097)}) == 17   # 16 per doubling (and 4096)
+    assert bucket_rows(3500) == 3584 and bucket_rows(20) == 24
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("cpu_attention", ["auto", "sdpa"])
+def test_bucketed_rows_give_the_exact_rows_outputs(minilm_dir, cpu_attention):
+    """The padding rows a batch gets to reach its bucket (token 0, position 0, a sequence of their
+    own in attention) change none of the real rows, on the C kernel's and SDPA's paths, with
+    token types and with first_only; the result has exactly the real rows."""
+    from embedserve.models.encoder import Encoder, bucket_rows
+    from kernels import compute
+    with compute.override(cpu_attention=cpu_attention):
+        enc = Encoder.from_dir(minilm_dir, torch.float32)
+        lengths = [200, 131, 130, 64, 9, 8, 2, 1]
+        T = sum(lengths)
+        assert bucket_rows(T) > T                                       # this batch is padded
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(1000, 20000, (T,), generator=g)
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        types = (pos >= 3).long()
+        plan = AttentionPlan.build(lengths)
+        outs = {}
+        for on in (True, False):
+            with compute.override(bucket_rows=on):
+                outs[on] = (enc(ids, pos, plan, types), enc(ids, pos, plan, types, first_only=True))
+        assert plan.computed_tokens >= T
+        for got, want in zip(outs[True], outs[False]):
+            assert got.shape == want.shape and torch.isfinite(got).all()
+            assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+        assert outs[True][0].shape == (T, enc.cfg.hidden_size)
