@@ -188,7 +188,7 @@ def test_encoder_with_the_kernel_equals_the_padded_sdpa_path(monkeypatch, minilm
     """The bundled MiniLM, fp32: the kernel (no padding) and SDPA over padded groups agree, and
     the padding metric counts what the kernel computed."""
     from embedserve.models import encoder as enc_mod
-    from embedserve.models.encoder import AttentionPlan, load_encoder
+    from embedserve.models.encoder import AttentionPlan, bucket_rows, load_encoder
 
     monkeypatch.setattr(cpu_attention, "varlen_preferred", lambda: True)   # on an AVX2-only CPU too
     enc = load_encoder(minilm_dir, "float32")
@@ -198,8 +198,12 @@ def test_encoder_with_the_kernel_equals_the_padded_sdpa_path(monkeypatch, minilm
     pos = torch.cat([torch.arange(L) for L in lens])
     plan = AttentionPlan.build(lens)
     padded = plan.computed_tokens
-    kernel = enc(ids, pos, plan)
+    with compute.override(bucket_rows=False):                  # the exact rows: no padding at all
+        kernel = enc(ids, pos, plan)
     assert plan.computed_tokens == sum(lens) < padded
+    bucketed = enc(ids, pos, plan)                              # the default: rows up to their bucket
+    assert plan.computed_tokens == bucket_rows(sum(lens)) > sum(lens)
+    torch.testing.assert_close(bucketed, kernel, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(enc_mod, "_varlen_kernel_runs", lambda qkv, nh: False)
     torch.testing.assert_close(kernel, enc(ids, pos, AttentionPlan.build(lens)), rtol=1e-4, atol=1e-4)
 
