@@ -8,7 +8,10 @@
  *
  * Paged decode attention: one query token per sequence reads its K/V straight from
  * the paged cache through its block table (no gather copy), all query heads of a KV head at
- * once (each K/V row is loaded once for the g heads that share it), float32 accumulation.
+ * once (each K/V row is loaded once for the g heads that share it), float32 accumulation, two
+ * passes (scores of every key, one softmax, then values: no online rescaling, so the result is
+ * the reference's up to float32 summation order), a task per sequence when there are sequences
+ * enough for the threads.
  *
  * Layout (kernels/reference.py): k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim];
  * block_tables int32 [num_seqs, bt_stride]; context_lens int32 [num_seqs]; q, out
@@ -37,6 +40,44 @@
 /* vectors of the machine's width: with only AVX2, GCC lowers a 64-byte vector type through the
  * stack (measured 3 GFLOP/s, 8x behind SDPA), so a 16-key block is 16 / VW native vectors */
 typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
+
+typedef uint16_t hvec __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t uvec __attribute__((vector_size(VW * 4)));
+static inline vec bf16_vec(const uint16_t *p) {        /* VW bf16 -> floats, exactly */
+#if VW == 16               /* one widening load and a shift (GCC's generic form took five ops) */
+    return (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#elif defined(__AVX2__)
+    return (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    const uvec u = __builtin_convertvector(*(const hvec *)p, uvec) << 16;
+    vec f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+static inline vec f32_vec(const float *p) {            /* VW floats, unaligned (vec's alignment is 4) */
+    return *(const vec *)p;
+}
+typedef int32_t ivec __attribute__((vector_size(VW * 4)));
+
+/* e^x for x <= 0 in float32 (softmax terms), VW at a time: 2^n e^r with n = round(x / ln 2),
+ * r = x - n ln 2 (in two parts), e^r by its Taylor series to r^6 (|r| <= ln 2 / 2: error < 2e-7);
+ * lanes below -87 give e^-87 (~1.6e-38), not 0 */
+static inline vec exp_vec(vec x) {
+    const ivec low = x < -87.f;
+    vec lowv = (vec){0} - 87.f;
+    x = (vec)((low & (ivec)lowv) | (~low & (ivec)x));
+    const ivec n = __builtin_convertvector(x * 1.44269504089f - 0.5f, ivec);   /* x <= 0: round */
+    const vec nf = __builtin_convertvector(n, vec);
+    const vec r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
+    vec p = r * (1.f / 720) + (1.f / 120);
+    p = p * r + (1.f / 24);
+    p = p * r + (1.f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    return (vec)((ivec)p + ((n + 0) << 23));                    /* p * 2^n, n >= -126 */
+}
 
 static inline float hsum(vec a) {
     float z = 0.f;
@@ -129,111 +170,168 @@ static inline __attribute__((always_inline)) int NAME(                          
     return 0;                                                                                       \
 }
 
-/* The same in vectors of the machine's width, for hd a multiple of 2 * VW, for KV heads h0 .. h0 + nk
- * of one sequence: their K and V rows gathered once into float32 scratch (`kf`, `vf`: nk x n x hd,
- * per thread; a token's rows of all its KV heads are one contiguous read, which the hardware
- * prefetcher follows: reading one head's 1/kvh of each row ran at a third of the bandwidth), then
- * per query head: q in registers, one dot product per key (two accumulators, one horizontal
- * sum), the softmax, and the values summed into hd / VW register accumulators. */
-#define DEFINE_ATTEND_VEC(NAME, T, LOAD, STORE)                                                      \
+/* Lane i of the result: the sum of x[i]'s lanes, for VW vectors at once: a transpose-add tree of
+ * VW - 1 adds and 2 (VW - 1) two-source shuffles (one horizontal sum per vector, as scalar adds,
+ * had been most of the decode kernel's time) */
+static inline vec sum_lanes(const vec *x) {
+#if VW == 16
+    vec y[8], z[4], w[2];
+    for (int i = 0; i < 8; i++)
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(y[2 * i], y[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        w[i] = __builtin_shufflevector(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    vec y[4], z[2];
+    for (int i = 0; i < 4; i++)
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + __builtin_shufflevector(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14)
+         + __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+/* The same in vectors of the machine's width, for hd a multiple of 2 * VW, read in place from the
+ * paged cache (bf16 widened in registers), in two passes over the keys, a chunk of up to VW keys
+ * at a time (`rows`: each key's offset in the cache, `cnt` of them), for `jn` (<= 4) query heads
+ * of the KV head at offset `hoff` in a row. attend_scores: per key one K row load feeds every
+ * head's dot product, kept as a vector of partial sums, and the chunk's VW vectors are reduced at
+ * once (sum_lanes) into p (row j at p + j * ld; lanes past cnt hold garbage). attend_values: the
+ * softmax weights from p, one V row load per key for every head, into the accumulators acc
+ * (jn x hd). */
+#define DEFINE_ATTEND_CHUNK(SCORES, VALUES, T, VLOAD)                                                \
+static inline __attribute__((always_inline)) void SCORES(                                           \
+        const T *k_cache, const int64_t *rows, int64_t cnt, int64_t hoff, const int jn,              \
+        const int64_t hd, float scale, const float *qf, float *p, int64_t ld) {                     \
+    const int64_t NV = hd / VW;                                                                     \
+    vec part[4][VW];                                                                                \
+    for (int64_t i = 0; i < VW; i++) {                                                              \
+        const T *kr = k_cache + rows[i < cnt ? i : 0] + hoff;                                       \
+        vec kv[MAX_HD / VW];                                                                        \
+        for (int64_t u = 0; u < NV; u++) kv[u] = VLOAD(kr + u * VW);                                \
+        for (int j = 0; j < jn; j++) {                                                              \
+            const float *qj = qf + j * hd;                                                          \
+            vec a0 = f32_vec(qj) * kv[0], a1 = f32_vec(qj + VW) * kv[1];                            \
+            for (int64_t u = 2; u < NV; u += 2) {                                                   \
+                a0 += f32_vec(qj + u * VW) * kv[u];                                                 \
+                a1 += f32_vec(qj + (u + 1) * VW) * kv[u + 1];                                       \
+            }                                                                                       \
+            part[j][i] = a0 + a1;                                                                   \
+        }                                                                                           \
+    }                                                                                               \
+    for (int j = 0; j < jn; j++) *(vec *)(p + j * ld) = sum_lanes(part[j]) * scale;                 \
+}                                                                                                   \
+static inline __attribute__((always_inline)) void VALUES(                                           \
+        const T *v_cache, const int64_t *rows, int64_t cnt, int64_t hoff, const int jn,              \
+        const int64_t hd, const float *p, int64_t ld, float *acc) {                                 \
+    const int64_t NV = hd / VW;                                                                     \
+    vec a[4][MAX_HD / VW];                                                                          \
+    for (int j = 0; j < jn; j++)                                                                    \
+        for (int64_t u = 0; u < NV; u++) a[j][u] = f32_vec(acc + j * hd + u * VW);                  \
+    for (int64_t i = 0; i < cnt; i++) {                                                             \
+        const T *vr = v_cache + rows[i] + hoff;                                                     \
+        vec vv[MAX_HD / VW];                                                                        \
+        for (int64_t u = 0; u < NV; u++) vv[u] = VLOAD(vr + u * VW);                                \
+        for (int j = 0; j < jn; j++) {                                                              \
+            const float w = p[j * ld + i];                                                          \
+            for (int64_t u = 0; u < NV; u++) a[j][u] += w * vv[u];                                  \
+        }                                                                                           \
+    }                                                                                               \
+    for (int j = 0; j < jn; j++)                                                                    \
+        for (int64_t u = 0; u < NV; u++) *(vec *)(acc + j * hd + u * VW) = a[j][u];                 \
+}
+
+/* CALL for every group of up to 4 query heads (jn of them, a constant) of KV heads h0 .. h0 + nk */
+#define FOR_GROUPS(CALL)                                                                            \
+    for (int64_t hh = 0; hh < nk; hh++)                                                             \
+        for (int64_t j0 = 0; j0 < g; j0 += 4) {                                                     \
+            const int64_t j = hh * g + j0, hoff = (h0 + hh) * hd;                                   \
+            switch (g - j0 < 4 ? g - j0 : 4) {                                                      \
+                case 4: { const int jn = 4; CALL; } break;                                          \
+                case 3: { const int jn = 3; CALL; } break;                                          \
+                case 2: { const int jn = 2; CALL; } break;                                          \
+                default: { const int jn = 1; CALL; } break;                                         \
+            }                                                                                       \
+        }
+
+/* KV heads h0 .. h0 + nk of one sequence, g query heads each: the scores of every head (keys a
+ * chunk of VW at a time, and per chunk every KV head and every group of its query heads, so that
+ * a block of the cache, each token's rows of all KV heads, is read whole and in order), the
+ * softmax over each head's scores (one max, exp_vec, one sum: no rescaling), then the values in
+ * the same order. K and V are read once, straight from the cache. `st`: per-thread state,
+ * nk g (2 hd + Lp + 1) floats, Lp = n rounded up to VW. 64 SmolLM2 sequences at ~190 tokens, bf16,
+ * 2-core AMX Xeon: 0.81 ms a layer before (K and V widened into float32 scratch first, then per
+ * query head a dot product per key with a horizontal sum in scalar adds). */
+#define DEFINE_ATTEND_HEADS(NAME, T, LOAD, STORE, SCORES, VALUES)                                    \
 static inline __attribute__((always_inline)) void NAME(                                             \
         const T *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t n, T *out,    \
         int64_t kvh, int64_t h0, int64_t nk, int64_t g, const int64_t hd, int64_t block_size,       \
-        float scale, float *kf, float *vf, float *p) {                                              \
-    const int64_t NV = hd / VW;                                                                     \
-    for (int64_t b = 0, t = 0; t < n; b++) {                                                        \
-        const int64_t base = ((int64_t)table[b] * block_size * kvh + h0) * hd;                      \
-        for (int64_t o = 0; o < block_size && t < n; o++, t++) {                                    \
-            for (int64_t hh = 0; hh < nk; hh++) {                                                   \
-                LOAD(k_cache + base + (o * kvh + hh) * hd, kf + (hh * n + t) * hd, hd);             \
-                LOAD(v_cache + base + (o * kvh + hh) * hd, vf + (hh * n + t) * hd, hd);             \
-            }                                                                                       \
-        }                                                                                           \
+        float scale, float *st) {                                                                   \
+    const int64_t NH = nk * g, row = kvh * hd, Lp = (n + VW - 1) / VW * VW;                         \
+    float *qf = st, *acc = qf + NH * hd, *p = acc + NH * hd;                                        \
+    for (int64_t j = 0; j < NH; j++) {                                                              \
+        LOAD(q + j * hd, qf + j * hd, hd);                                                          \
+        memset(acc + j * hd, 0, sizeof(float) * (size_t)hd);                                        \
     }                                                                                               \
-    for (int64_t j = 0; j < nk * g; j++) {                                                          \
-        const float *kh = kf + (j / g) * n * hd, *vh = vf + (j / g) * n * hd;                       \
-        float qs[MAX_HD], res[MAX_HD];                                                              \
-        LOAD(q + j * hd, qs, hd);                                                                   \
-        vec qv[MAX_HD / VW], acc[MAX_HD / VW];                                                      \
-        for (int64_t u = 0; u < NV; u++) { memcpy(&qv[u], qs + u * VW, sizeof(vec)); acc[u] = (vec){0}; } \
-        float m = -FLT_MAX, z = 0.f;                                                                \
-        for (int64_t t = 0; t < n; t++) {                                                           \
-            const vec *kr = (const vec *)(kh + t * hd);                                             \
-            vec a0 = {0}, a1 = {0};                                                                 \
-            for (int64_t u = 0; u < NV; u += 2) { a0 += qv[u] * kr[u]; a1 += qv[u + 1] * kr[u + 1]; } \
-            const float d = hsum(a0 + a1) * scale;                                                  \
-            p[t] = d;                                                                               \
-            m = d > m ? d : m;                                                                      \
-        }                                                                                           \
-        for (int64_t t = 0; t < n; t++) { p[t] = expf(p[t] - m); z += p[t]; }                       \
-        for (int64_t t = 0; t < n; t++) {                                                           \
-            const vec *vr = (const vec *)(vh + t * hd);                                             \
-            const float w = p[t];                                                                   \
-            for (int64_t u = 0; u < NV; u++) acc[u] += w * vr[u];                                   \
-        }                                                                                           \
-        const float inv = z > 0.f ? 1.f / z : 0.f;                                                  \
-        for (int64_t u = 0; u < NV; u++) { const vec r = acc[u] * inv; memcpy(res + u * VW, &r, sizeof(vec)); } \
-        STORE(out + j * hd, res, hd);                                                               \
+    int64_t rows[VW];                                                                               \
+    for (int64_t c = 0; c < n; c += VW) {                                                           \
+        const int64_t cnt = n - c < VW ? n - c : VW;                                                \
+        for (int64_t i = 0; i < cnt; i++)                                                           \
+            rows[i] = ((int64_t)table[(c + i) / block_size] * block_size + (c + i) % block_size) * row; \
+        FOR_GROUPS(SCORES(k_cache, rows, cnt, hoff, jn, hd, scale, qf + j * hd, p + j * Lp + c, Lp)) \
     }                                                                                               \
-}
-
-/* float32 caches, one KV head of one sequence: the same arithmetic as attend_vec reading the K/V
- * rows in place through the block table, with no gather copy. For a step of fewer sequences than
- * twice the threads (a task is then one KV head) the copy was most of a task's time: one
- * SmolLM2 sequence at 190 cached tokens, 73 us per layer on the AVX2 EPYC. A head's rows are
- * read once per query head of its group; at such lengths they stay in L2. */
-static inline __attribute__((always_inline)) void attend_direct_f32(
-        const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t n, float *out,
-        int64_t kvh, int64_t h, int64_t g, const int64_t hd, int64_t block_size, float scale, float *p) {
-    const int64_t NV = hd / VW, row = kvh * hd;
-    for (int64_t j = 0; j < g; j++) {
-        vec qv[MAX_HD / VW], acc[MAX_HD / VW];
-        for (int64_t u = 0; u < NV; u++) { memcpy(&qv[u], q + j * hd + u * VW, sizeof(vec)); acc[u] = (vec){0}; }
-        float m = -FLT_MAX, z = 0.f;
-        for (int64_t b = 0, t = 0; t < n; b++) {
-            const float *kb = k_cache + ((int64_t)table[b] * block_size * kvh + h) * hd;
-            for (int64_t o = 0; o < block_size && t < n; o++, t++) {
-                const vec *kr = (const vec *)(kb + o * row);
-                vec a0 = {0}, a1 = {0};
-                for (int64_t u = 0; u < NV; u += 2) { a0 += qv[u] * kr[u]; a1 += qv[u + 1] * kr[u + 1]; }
-                const float d = hsum(a0 + a1) * scale;
-                p[t] = d;
-                m = d > m ? d : m;
-            }
-        }
-        for (int64_t t = 0; t < n; t++) { p[t] = expf(p[t] - m); z += p[t]; }
-        for (int64_t b = 0, t = 0; t < n; b++) {
-            const float *vb = v_cache + ((int64_t)table[b] * block_size * kvh + h) * hd;
-            for (int64_t o = 0; o < block_size && t < n; o++, t++) {
-                const vec *vr = (const vec *)(vb + o * row);
-                const float w = p[t];
-                for (int64_t u = 0; u < NV; u++) acc[u] += w * vr[u];
-            }
-        }
-        const float inv = z > 0.f ? 1.f / z : 0.f;
-        for (int64_t u = 0; u < NV; u++) { const vec r = acc[u] * inv; memcpy(out + j * hd + u * VW, &r, sizeof(vec)); }
-    }
+    float *z = p + NH * Lp;                                                                         \
+    for (int64_t j = 0; j < NH; j++) {                                                              \
+        float *pj = p + j * Lp, m = -FLT_MAX, zs = 0.f;                                             \
+        for (int64_t t = 0; t < n; t++) m = pj[t] > m ? pj[t] : m;                                  \
+        for (int64_t t = n; t < Lp; t++) pj[t] = -FLT_MAX;                                          \
+        for (int64_t c = 0; c < Lp; c += VW) {                                                      \
+            const vec e = exp_vec(*(const vec *)(pj + c) - m);                                      \
+            *(vec *)(pj + c) = e;                                                                   \
+        }                                                                                           \
+        for (int64_t t = 0; t < n; t++) zs += pj[t];                                                \
+        z[j] = zs;                                                                                  \
+    }                                                                                               \
+    for (int64_t c = 0; c < n; c += VW) {                                                           \
+        const int64_t cnt = n - c < VW ? n - c : VW;                                                \
+        for (int64_t i = 0; i < cnt; i++)                                                           \
+            rows[i] = ((int64_t)table[(c + i) / block_size] * block_size + (c + i) % block_size) * row; \
+        FOR_GROUPS(VALUES(v_cache, rows, cnt, hoff, jn, hd, p + j * Lp + c, Lp, acc + j * hd))      \
+    }                                                                                               \
+    for (int64_t j = 0; j < NH; j++) {                                                              \
+        const float inv = z[j] > 0.f ? 1.f / z[j] : 0.f;                                            \
+        for (int64_t i = 0; i < hd; i++) acc[j * hd + i] *= inv;                                    \
+        STORE(out + j * hd, acc + j * hd, hd);                                                      \
+    }                                                                                               \
 }
 
 /* returns 0, or a negative code: -1 a shape past MAX_G / MAX_HD, -2 out of memory */
-#define DEFINE_KERNEL(NAME, ATTEND, ATTEND_VEC, T)                                                   \
+#define DEFINE_KERNEL(NAME, ATTEND, ATTEND_HEADS, T)                                                 \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,               \
          int64_t bt_stride, const int32_t *context_lens, T *out, int64_t num_seqs, int64_t nh,       \
          int64_t kvh, int64_t hd, int64_t block_size, float scale, int num_threads) {                \
     const int64_t g = nh / kvh;                                                                     \
     if (g > MAX_G || hd > MAX_HD || g * kvh != nh) return -1;                                       \
-    int64_t max_n = 0;                                                                              \
-    for (int64_t s = 0; s < num_seqs; s++) max_n = context_lens[s] > max_n ? context_lens[s] : max_n; \
-    const int vec_path = hd % (2 * VW) == 0;                                                        \
+    const int vec_path = hd >= 2 * VW && hd % (2 * VW) == 0;                                                        \
     /* a task: a whole sequence (all its KV heads) where there are sequences enough for the        \
      * threads, else one (sequence, KV head) so that one long sequence still uses them all */      \
-    const int64_t whole = (2 * hd * kvh + 1) * max_n * (int64_t)sizeof(float) <= (32 << 20);         \
-    const int64_t per = vec_path && whole && num_seqs >= 2 * num_threads ? kvh : 1, tasks = kvh / per; \
+    const int64_t per = vec_path && num_seqs >= 2 * num_threads ? kvh : 1, tasks = kvh / per;       \
+    int64_t max_n = 0;                                                                              \
+    for (int64_t s = 0; s < num_seqs; s++) max_n = context_lens[s] > max_n ? context_lens[s] : max_n; \
+    const int64_t Lp = (max_n + VW - 1) / VW * VW;                                                  \
     int failed = 0;                                                                                 \
     _Pragma("omp parallel num_threads(num_threads)")                                                \
     {                                                                                               \
-        float *scratch = vec_path ? (float *)malloc(sizeof(float) * (size_t)((2 * hd * per + 1) * max_n + 16)) \
-                                  : NULL;                                                           \
+        float *st = vec_path ? (float *)malloc(sizeof(float) * (size_t)((2 * hd + Lp + 1) * per * g)) : NULL; \
         _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                         \
         for (int64_t s = 0; s < num_seqs; s++) {                                                    \
             for (int64_t k = 0; k < tasks; k++) {                                                   \
@@ -243,41 +341,33 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
                 const int32_t *table = block_tables + s * bt_stride;                                \
                 const int64_t n = context_lens[s];                                                  \
                 int rc = 0;                                                                         \
-                if (vec_path && scratch && per == 1 && sizeof(T) == 4) {  /* float32: rows in place */ \
-                    float *p = scratch + 2 * hd * n;                                                \
-                    if (hd == 64)                                                                   \
-                        attend_direct_f32((const float *)qs, (const float *)k_cache, (const float *)v_cache, \
-                                          table, n, (float *)os, kvh, h, g, 64, block_size, scale, p); \
-                    else                                                                            \
-                        attend_direct_f32((const float *)qs, (const float *)k_cache, (const float *)v_cache, \
-                                          table, n, (float *)os, kvh, h, g, hd, block_size, scale, p); \
-                } else if (vec_path && scratch) {                                                   \
-                    float *kf = scratch, *vf = kf + hd * per * n, *p = vf + hd * per * n;           \
-                    if (hd == 64)                                                                   \
-                        ATTEND_VEC(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, 64, block_size, scale, kf, vf, p); \
-                    else if (hd == 128)                                                             \
-                        ATTEND_VEC(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, 128, block_size, scale, kf, vf, p); \
-                    else                                                                            \
-                        ATTEND_VEC(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, hd, block_size, scale, kf, vf, p); \
-                } else {                 /* or where the scratch could not be had: no scratch */ \
+                if (st && hd == 64)                                                                 \
+                    ATTEND_HEADS(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, 64, block_size, scale, st); \
+                else if (st && hd == 128)                                                           \
+                    ATTEND_HEADS(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, 128, block_size, scale, st); \
+                else if (st)                                                                        \
+                    ATTEND_HEADS(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, hd, block_size, scale, st); \
+                else                                   /* or where the state could not be had */   \
                     for (int64_t hh = h; hh < h + per && !rc; hh++)                                \
                         rc = ATTEND(q + (s * nh + hh * g) * hd, k_cache, v_cache, table, n,          \
                                     out + (s * nh + hh * g) * hd, kvh, hh, g, hd, block_size, scale); \
-                }                                                                                   \
                 if (rc) failed = 1;                                                                 \
             }                                                                                       \
         }                                                                                           \
-        free(scratch);                                                                              \
+        free(st);                                                                                   \
     }                                                                                               \
     return failed ? -2 : 0;                                                                         \
 }
 
+
 DEFINE_ATTEND(attend_f32, float, load_f32, store_f32)
 DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16, store_bf16)
-DEFINE_ATTEND_VEC(attend_vec_f32, float, load_f32, store_f32)
-DEFINE_ATTEND_VEC(attend_vec_bf16, uint16_t, load_bf16, store_bf16)
-DEFINE_KERNEL(paged_decode_attention_f32, attend_f32, attend_vec_f32, float)
-DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, attend_vec_bf16, uint16_t)
+DEFINE_ATTEND_CHUNK(attend_scores_f32, attend_values_f32, float, f32_vec)
+DEFINE_ATTEND_CHUNK(attend_scores_bf16, attend_values_bf16, uint16_t, bf16_vec)
+DEFINE_ATTEND_HEADS(attend_heads_f32, float, load_f32, store_f32, attend_scores_f32, attend_values_f32)
+DEFINE_ATTEND_HEADS(attend_heads_bf16, uint16_t, load_bf16, store_bf16, attend_scores_bf16, attend_values_bf16)
+DEFINE_KERNEL(paged_decode_attention_f32, attend_f32, attend_heads_f32, float)
+DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, attend_heads_bf16, uint16_t)
 
 /* ---------------------------------------------------------------------------------------------
  * Encoder attention over packed sequences (no padding, no mask): qkv [T, 3 * nh * hd] holds each
@@ -914,14 +1004,6 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const float *b, float *y, in
     return 0;
 }
 #else
-typedef uint16_t hvec __attribute__((vector_size(VW * 2), aligned(2)));
-typedef uint32_t uvec __attribute__((vector_size(VW * 4)));
-static inline vec bf16_vec(const uint16_t *p) {        /* VW bf16 -> floats, exactly */
-    const uvec u = __builtin_convertvector(*(const hvec *)p, uvec) << 16;
-    vec f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 int gemv_bf16(const uint16_t *x, const uint16_t *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,
               int num_threads) {
     if (M < 1 || N < 1 || K < 1) return -1;
