@@ -1,0 +1,130 @@
+"""The CPU paged decode attention kernel alone, on SmolLM2-135M's shapes (9 query heads, 3 KV
+heads, head_dim 64, 16-token blocks, block tables shuffled as a long-running cache leaves them):
+this tree's kernel against the torch reference (gather + softmax, `kernels.reference`) and,
+with `--against REV`, against the kernel of another git revision built beside it: both loaded
+in one process, called alternately, median of the rounds; each with its max abs error against
+the reference run in float32 on the same inputs.
+
+    python -m embedserve.studies.paged_decode --against 0bb1cce --out embedserve/studies/results/paged_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_attention, reference
+
+NH, KVH, HD, BS = 9, 3, 64, 16
+# (sequences, shortest, longest context): the generation bench @64 (128-token prompts, up to 128
+# out), a small batch, one stream, and long RAG contexts
+CASES = ((64, 130, 256), (16, 130, 256), (1, 130, 256), (8, 1500, 2048), (1, 3000, 4096))
+
+
+def _library(source: Path):
+    """Build and load the kernel library of `source` (cached by its hash like the tree's)."""
+    saved, cpu_attention.SOURCE = cpu_attention.SOURCE, source
+    try:
+        lib, why = cpu_attention._load()
+    finally:
+        cpu_attention.SOURCE = saved
+    if lib is None:
+        raise SystemExit(f"{source}: {why}")
+    return lib
+
+
+def _case(batch: int, lo: int, hi: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(lo, hi + 1, (batch,), generator=gen, dtype=torch.int32)
+    blocks = [(int(n) + BS - 1) // BS for n in ctx]
+    total = sum(blocks) + 4
+    k = torch.randn(total, BS, KVH, HD, generator=gen).to(dtype)
+    v = torch.randn(total, BS, KVH, HD, generator=gen).to(dtype)
+    perm = torch.randperm(total, generator=gen).to(torch.int32)
+    tables = torch.zeros(batch, max(blocks), dtype=torch.int32)
+    at = 0
+    for b, nb in enumerate(blocks):
+        tables[b, :nb] = perm[at:at + nb]
+        at += nb
+    q = torch.randn(batch, NH, HD, generator=gen).to(dtype)
+    return q, k, v, tables, ctx
+
+
+def _call(lib, q, k, v, tables, ctx) -> torch.Tensor:
+    out = torch.empty_like(q)
+    fn = getattr(lib, "paged_decode_attention_" + cpu_attention._SUFFIX[q.dtype])
+    rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
+            out.data_ptr(), q.shape[0], NH, KVH, HD, BS, ctypes.c_float(HD ** -0.5), torch.get_num_threads())
+    assert rc == 0, rc
+    return out
+
+
+def run(against: str | None, rounds: int, reps: int) -> list[dict]:
+    libs = {"this tree": _library(cpu_attention.SOURCE)}
+    if against:
+        text = subprocess.run(["git", "show", f"{against}:kernels/cpu_paged_attention.c"], check=True,
+                              capture_output=True).stdout
+        old = Path(tempfile.mkdtemp(prefix="paged-decode-")) / "cpu_paged_attention.c"
+        old.write_bytes(text)
+        libs[against] = _library(old)
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for batch, lo, hi in CASES:
+            q, k, v, tables, ctx = _case(batch, lo, hi, dtype)
+            exact = reference.paged_decode_attention(q.float(), k.float(), v.float(), tables, ctx, HD ** -0.5).double()
+            fns = {name: (lambda lib=lib: _call(lib, q, k, v, tables, ctx)) for name, lib in libs.items()}
+            fns["torch reference"] = lambda: reference.paged_decode_attention(q, k, v, tables, ctx, HD ** -0.5)
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            for _ in range(rounds):                     # alternated, so drift hits every variant alike
+                for name, fn in fns.items():
+                    fn()
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        fn()
+                    times[name].append((time.perf_counter() - t0) / reps * 1e3)
+            for name, fn in fns.items():
+                rows.append({"dtype": str(dtype).removeprefix("torch."), "sequences": batch,
+                             "context": f"{lo}-{hi}", "kernel": name, "median_ms": statistics.median(times[name]),
+                             "max_abs_err": float((fn().double() - exact).abs().max())})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    out = ["| dtype | sequences | context | " + " | ".join(f"{k} ms" for k in kernels) + " |",
+           "|---|---|---|" + "---|" * len(kernels)]
+    keys = list(dict.fromkeys((r["dtype"], r["sequences"], r["context"]) for r in rows))
+    for key in keys:
+        cells = {r["kernel"]: r for r in rows if (r["dtype"], r["sequences"], r["context"]) == key}
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | "
+                   + " | ".join(f"{cells[k]['median_ms']:.3f} (err {cells[k]['max_abs_err']:.1e})" for k in kernels) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", default=None, help="a git revision whose kernel to time beside this tree's")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = run(args.against, args.rounds, args.reps)
+    print(markdown(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
