@@ -59,10 +59,14 @@ $(PEERS)/openvino/.ok:
 	touch $@
 # llama.cpp through llama-cpp-python, the single-stream generation peer
 # (embedserve/studies/compare/llamacpp.py): built from source for this CPU (GGML_NATIVE, llama.cpp's
-# default, said explicitly), several minutes of compiling, niced
+# default, said explicitly), several minutes of compiling, niced. Without ggml's AMX backend (the
+# -mno-amx-* flags win over -march=native): on the AMX Xeon its matmul dies in ldtilecfg
+# (ggml-org/llama.cpp#20824, unfixed; the tile config on the stack, #26954); a no-op elsewhere
 $(PEERS)/llamacpp/.ok:
 	$(PYTHON) -m venv $(PEERS)/llamacpp
-	CMAKE_ARGS="-DGGML_NATIVE=ON" nice -n 19 $(PEERS)/llamacpp/bin/pip install --quiet llama-cpp-python==0.3.36
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
+	  -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" \
+	  nice -n 19 $(PEERS)/llamacpp/bin/pip install --quiet --no-cache-dir llama-cpp-python==0.3.36
 	touch $@
 bench-peers: $(PEERS)/infinity/.ok $(PEERS)/vllm/.ok $(PEERS)/openvino/.ok $(PEERS)/llamacpp/.ok
 
