@@ -263,6 +263,18 @@ static inline __attribute__((always_inline)) void VALUES(                       
             }                                                                                       \
         }
 
+#ifndef PF_DIST
+#define PF_DIST 2
+#endif
+/* software prefetch of the K or V rows of keys c .. c + VW (those past n skipped) for KV heads
+ * h0 .. h0 + nk: a row's part is nk hd contiguous elements */
+#define PREFETCH_CHUNK(CACHE, T, c)                                                                 \
+    for (int64_t t_ = (c); t_ < n && t_ < (c) + VW; t_++) {                                        \
+        const char *r_ = (const char *)((CACHE) + ((int64_t)table[t_ / block_size] * block_size     \
+                                        + t_ % block_size) * row + h0 * hd);                         \
+        for (int64_t b_ = 0; b_ < (int64_t)sizeof(T) * nk * hd; b_ += 64) __builtin_prefetch(r_ + b_, 0, 3); \
+    }
+
 /* KV heads h0 .. h0 + nk of one sequence, g query heads each: the scores of every head (keys a
  * chunk of VW at a time, and per chunk every KV head and every group of its query heads, so that
  * a block of the cache, each token's rows of all KV heads, is read whole and in order), the
@@ -283,13 +295,16 @@ static inline __attribute__((always_inline)) void NAME(                         
         memset(acc + j * hd, 0, sizeof(float) * (size_t)hd);                                        \
     }                                                                                               \
     int64_t rows[VW];                                                                               \
+    for (int64_t c = 0; c < PF_DIST * VW; c += VW) PREFETCH_CHUNK(k_cache, T, c)                    \
     for (int64_t c = 0; c < n; c += VW) {                                                           \
         const int64_t cnt = n - c < VW ? n - c : VW;                                                \
         for (int64_t i = 0; i < cnt; i++)                                                           \
             rows[i] = ((int64_t)table[(c + i) / block_size] * block_size + (c + i) % block_size) * row; \
+        PREFETCH_CHUNK(k_cache, T, c + PF_DIST * VW)                                                \
         FOR_GROUPS(SCORES(k_cache, rows, cnt, hoff, jn, hd, scale, qf + j * hd, p + j * Lp + c, Lp)) \
     }                                                                                               \
     float *z = p + NH * Lp;                                                                         \
+    for (int64_t c = 0; c < PF_DIST * VW; c += VW) PREFETCH_CHUNK(v_cache, T, c)                    \
     for (int64_t j = 0; j < NH; j++) {                                                              \
         float *pj = p + j * Lp, m = -FLT_MAX, zs = 0.f;                                             \
         for (int64_t t = 0; t < n; t++) m = pj[t] > m ? pj[t] : m;                                  \
@@ -305,6 +320,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t cnt = n - c < VW ? n - c : VW;                                                \
         for (int64_t i = 0; i < cnt; i++)                                                           \
             rows[i] = ((int64_t)table[(c + i) / block_size] * block_size + (c + i) % block_size) * row; \
+        PREFETCH_CHUNK(v_cache, T, c + PF_DIST * VW)                                                \
         FOR_GROUPS(VALUES(v_cache, rows, cnt, hoff, jn, hd, p + j * Lp + c, Lp, acc + j * hd))      \
     }                                                                                               \
     for (int64_t j = 0; j < NH; j++) {                                                              \
@@ -738,6 +754,25 @@ int varlen_attention_bf16_amx(const uint16_t *qkv, uint16_t *out, const int32_t 
 #define MAX_H 4096
 static inline float round_f32(float v) { return v; }
 static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+/* the same VW at a time: round_vec_* rounds to T (bf16: to nearest even, NaN kept a NaN) and
+ * stays a float; store_vec_* writes a rounded vector as T */
+static inline vec round_vec_f32(vec v) { return v; }
+static inline vec round_vec_bf16(vec v) {
+    uvec u;
+    memcpy(&u, &v, sizeof u);
+    const uvec r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u, nan = (u | 0x400000u) & 0xffff0000u;
+    const uvec isnan = (uvec)((u & 0x7fffffffu) > 0x7f800000u);
+    const uvec out = (nan & isnan) | (r & ~isnan);
+    memcpy(&v, &out, sizeof v);
+    return v;
+}
+static inline void store_vec_f32(float *p, vec v) { memcpy(p, &v, sizeof v); }
+static inline void store_vec_bf16(uint16_t *p, vec v) {
+    uvec u;
+    memcpy(&u, &v, sizeof u);
+    const hvec h = __builtin_convertvector(u >> 16, hvec);
+    memcpy(p, &h, sizeof h);
+}
 
 #define DEFINE_ADD_LN(NAME, T, LOAD, STORE, ROUND)                                                    \
 int NAME(const T *x, const T *y, const T *w, const T *b, T *out, int64_t rows, int64_t H, float eps, \
@@ -781,11 +816,33 @@ DEFINE_ADD_LN(add_layer_norm_bf16, uint16_t, load_bf16, store_bf16, round_bf16)
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-#define DEFINE_RMS(NAME, T, LOAD, STORE, ROUND)                                                       \
+/* rows of H a multiple of VW (SmolLM2's 576) in vectors, read and written in place: ~4x the
+ * scalar loops' speed at 64 x 576 bf16 (the scalar form held each row in two stack arrays) */
+#define DEFINE_RMS(NAME, T, LOAD, STORE, ROUND, VLOAD, VROUND, VSTORE)                                \
 int NAME(T *x, const T *r, const T *w, T *out, int64_t rows, int64_t H, float eps, int num_threads) { \
     if (H > MAX_H) return -1;                                                                       \
     float wf[MAX_H];                                                                                \
     LOAD(w, wf, H);                                                                                 \
+    if (H % VW == 0) {                                                                              \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * H >= 65536)") \
+        for (int64_t t = 0; t < rows; t++) {                                                        \
+            T *xt = x + t * H;                                                                      \
+            vec ss = (vec){0};                                                                      \
+            for (int64_t i = 0; i < H; i += VW) {                                                   \
+                vec v = VLOAD(xt + i);                                                              \
+                if (r) {                                                                            \
+                    v = VROUND(v + VLOAD(r + t * H + i));                                           \
+                    VSTORE(xt + i, v);                                                              \
+                }                                                                                   \
+                ss += v * v;                                                                        \
+            }                                                                                       \
+            const float var = hsum(ss) / (float)H;                                           \
+            const float rstd = (float)(1.0 / sqrt((double)(var + eps)));                            \
+            for (int64_t i = 0; i < H; i += VW)                                                     \
+                VSTORE(out + t * H + i, VROUND(VROUND(VLOAD(xt + i) * rstd) * f32_vec(wf + i)));    \
+        }                                                                                           \
+        return 0;                                                                                   \
+    }                                                                                               \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * H >= 65536)")    \
     for (int64_t t = 0; t < rows; t++) {                                                            \
         float v[MAX_H], u[MAX_H];                                                                   \
@@ -832,8 +889,24 @@ int NAME(const T *qkv, const float *cos_t, const float *sin_t, T *k_cache, T *v_
     return 0;                                                                                       \
 }
 
-#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                  \
+/* I a multiple of VW: in vectors, e^-|g| by exp_vec (within 2e-7 of expf), silu(g) = g / (1 + e)
+ * for g >= 0 and g e / (1 + e) below (the same value, no overflow); ~3x the scalar loop with
+ * libmvec's expf at 64 x 1536 bf16 */
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND, VLOAD, VROUND, VSTORE)                           \
 int NAME(const T *gu, T *out, int64_t rows, int64_t I, int num_threads) {                            \
+    if (I % VW == 0) {                                                                              \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * I >= 65536)") \
+        for (int64_t t = 0; t < rows; t++)                                                          \
+            for (int64_t i = 0; i < I; i += VW) {                                                   \
+                const vec g = VLOAD(gu + t * 2 * I + i), u = VLOAD(gu + t * 2 * I + I + i);         \
+                const ivec neg = g < 0.f;                                                           \
+                const vec mag = (vec)(((ivec)g & ~neg) | ((ivec)((vec){0} - g) & neg));             \
+                const vec e = exp_vec((vec){0} - mag);                                              \
+                const vec num = (vec)(((ivec)g & ~neg) | ((ivec)(g * e) & neg));                    \
+                VSTORE(out + t * I + i, VROUND(VROUND(num / (1.f + e)) * u));                       \
+            }                                                                                       \
+        return 0;                                                                                   \
+    }                                                                                               \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * I >= 65536)")    \
     for (int64_t t = 0; t < rows; t++) {                                                            \
         float g[256], u[256];                                                                       \
@@ -848,12 +921,12 @@ int NAME(const T *gu, T *out, int64_t rows, int64_t I, int num_threads) {       
     return 0;                                                                                       \
 }
 
-DEFINE_RMS(rms_norm_f32, float, load_f32, store_f32, round_f32)
-DEFINE_RMS(rms_norm_bf16, uint16_t, load_bf16, store_bf16, round_bf16)
+DEFINE_RMS(rms_norm_f32, float, load_f32, store_f32, round_f32, f32_vec, round_vec_f32, store_vec_f32)
+DEFINE_RMS(rms_norm_bf16, uint16_t, load_bf16, store_bf16, round_bf16, bf16_vec, round_vec_bf16, store_vec_bf16)
 DEFINE_ROPE_STORE(rope_store_f32, float, load_f32, store_f32)
 DEFINE_ROPE_STORE(rope_store_bf16, uint16_t, load_bf16, store_bf16)
-DEFINE_SILU_MUL(silu_mul_f32, float, load_f32, store_f32, round_f32)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, load_f32, store_f32, round_f32, f32_vec, round_vec_f32, store_vec_f32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf16, bf16_vec, round_vec_bf16, store_vec_bf16)
 
 #pragma GCC pop_options
 

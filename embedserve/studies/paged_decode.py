@@ -1,6 +1,8 @@
 """The CPU paged decode attention kernel alone, on SmolLM2-135M's shapes (9 query heads, 3 KV
 heads, head_dim 64, 16-token blocks, block tables shuffled as a long-running cache leaves them):
-this tree's kernel against the torch reference (gather + softmax, `kernels.reference`) and,
+each case
+as a model's 30 layers (their own caches, called in turn, so K/V come from memory, as in a
+decode step: `--layers 1` keeps one case's cache-resident); this tree's kernel against the torch reference (gather + softmax, `kernels.reference`) and,
 with `--against REV`, against the kernel of another git revision built beside it: both loaded
 in one process, called alternately, median of the rounds; each with its max abs error against
 the reference run in float32 on the same inputs.
@@ -59,6 +61,12 @@ def _case(batch: int, lo: int, hi: int, dtype: torch.dtype, seed: int = 0):
     return q, k, v, tables, ctx
 
 
+def _layers(batch: int, lo: int, hi: int, dtype: torch.dtype, layers: int) -> list[tuple]:
+    """`layers` cases of the same shapes, each with its own caches (as a model's layers have): a
+    pass over them reads K/V from memory, not from a cache level that one layer's would fit in."""
+    return [_case(batch, lo, hi, dtype, seed=i) for i in range(layers)]
+
+
 def _call(lib, q, k, v, tables, ctx) -> torch.Tensor:
     out = torch.empty_like(q)
     fn = getattr(lib, "paged_decode_attention_" + cpu_attention._SUFFIX[q.dtype])
@@ -68,7 +76,7 @@ def _call(lib, q, k, v, tables, ctx) -> torch.Tensor:
     return out
 
 
-def run(against: str | None, rounds: int, reps: int) -> list[dict]:
+def run(against: str | None, rounds: int, reps: int, layers: int) -> list[dict]:
     libs = {"this tree": _library(cpu_attention.SOURCE)}
     if against:
         text = subprocess.run(["git", "show", f"{against}:kernels/cpu_paged_attention.c"], check=True,
@@ -79,22 +87,24 @@ def run(against: str | None, rounds: int, reps: int) -> list[dict]:
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for batch, lo, hi in CASES:
-            q, k, v, tables, ctx = _case(batch, lo, hi, dtype)
+            cases = _layers(batch, lo, hi, dtype, layers)
+            q, k, v, tables, ctx = cases[0]
             exact = reference.paged_decode_attention(q.float(), k.float(), v.float(), tables, ctx, HD ** -0.5).double()
-            fns = {name: (lambda lib=lib: _call(lib, q, k, v, tables, ctx)) for name, lib in libs.items()}
-            fns["torch reference"] = lambda: reference.paged_decode_attention(q, k, v, tables, ctx, HD ** -0.5)
+            fns = {name: (lambda c, lib=lib: _call(lib, *c)) for name, lib in libs.items()}
+            fns["torch reference"] = lambda c: reference.paged_decode_attention(*c, HD ** -0.5)
             times: dict[str, list[float]] = {name: [] for name in fns}
             for _ in range(rounds):                     # alternated, so drift hits every variant alike
                 for name, fn in fns.items():
-                    fn()
+                    fn(cases[-1])
                     t0 = time.perf_counter()
                     for _ in range(reps):
-                        fn()
-                    times[name].append((time.perf_counter() - t0) / reps * 1e3)
+                        for c in cases:                 # a decode step's pass over the layers
+                            fn(c)
+                    times[name].append((time.perf_counter() - t0) / reps / layers * 1e3)
             for name, fn in fns.items():
                 rows.append({"dtype": str(dtype).removeprefix("torch."), "sequences": batch,
                              "context": f"{lo}-{hi}", "kernel": name, "median_ms": statistics.median(times[name]),
-                             "max_abs_err": float((fn().double() - exact).abs().max())})
+                             "max_abs_err": float((fn(cases[0]).double() - exact).abs().max())})
     return rows
 
 
@@ -113,16 +123,18 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", default=None, help="a git revision whose kernel to time beside this tree's")
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=30, help="caches per case, each called in turn (SmolLM2 has 30 "
+                    "layers): K/V come from memory as in a decode step; 1 times a cache-resident case")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = run(args.against, args.rounds, args.reps)
+    rows = run(args.against, args.rounds, args.reps, args.layers)
     print(markdown(rows))
     if args.out:
-        Path(args.out).write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"threads": args.threads, "layers": args.layers, "rows": rows}, indent=1) + "\n")
     return 0
 
 
