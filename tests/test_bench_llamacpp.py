@@ -4,6 +4,7 @@ is reported as not run (never estimated) and the table renders both kinds of row
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -73,3 +74,27 @@ def test_the_table_renders_a_llamacpp_that_ran():
     assert ("| llama.cpp | MOSTLY_Q4_1 (the wheel's GGUF; tensors 210 Q4_1 + 61 F32 + 1 Q8_0) | 50.0 | 80 | 60 | "
             "40 of 128 | 0.50× | 0.80× |") in md
     assert "its features: SSE3, AVX2, FMA)" in md and "MOSTLY_Q4_1 55.0 tokens/s" in md
+
+
+def test_only_generation_merges_its_section_and_keeps_the_rest(tmp_path, monkeypatch):
+    """`--only generation` replaces the generation section of the result and keeps the others (it
+    used to write a file of that section alone); its markdown opens with the section's own run line."""
+    import embedserve.studies.compare as compare
+    (tmp_path / "BENCHMARKS.md").write_text("<!-- make-bench:begin -->\nold\n<!-- make-bench:end -->\n")
+    monkeypatch.setattr(compare, "ROOT", tmp_path)
+    monkeypatch.setenv("EMBEDSERVE_THREADS", "2")        # main() sets it where unset: undone after the test
+    out = tmp_path / "compare.json"
+    out.write_text(json.dumps({"embeddings": {"kept": True}, "generation": {"old": True}}))
+    shape = {"output_tokens_per_s": 100.0, "ttft_p50_ms": 50.0, "tpot_p50_ms": 10.0, "itl_p99_ms": 20.0, "failed": 0}
+    section = {"ours": {"bfloat16": {"64": shape}}, "vllm": {"bfloat16": {"64": dict(shape, output_tokens_per_s=80.0)}},
+               "hf_static": {"bfloat16": {"64": {"output_tokens_per_s": 40.0}}},
+               "rag_prefix_caching": {"dtype": "bfloat16", "on": {"ttft_p50_ms": 100.0}, "off": {"ttft_p50_ms": 400.0}}}
+    monkeypatch.setattr(compare, "bench_generation", lambda runs, work: json.loads(json.dumps(section)))
+    assert compare.main(["--only", "generation", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["embeddings"] == {"kept": True} and res["generation"]["ours"] == section["ours"]
+    assert res["generation"]["run"]["command"] == "python -m embedserve.studies.compare --only generation"
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith("### Generation") and "Run " in md.splitlines()[2] and "| bfloat16 | 64 | 100 " in md
+    assert "1.25×" in md                                  # ours/vLLM
+    assert "old" in (tmp_path / "BENCHMARKS.md").read_text()   # no full run in the file: left as it was
