@@ -45,6 +45,10 @@ class ComputePaths:
         "help": "an encoder batch's token rows padded up to one of 16 row counts per doubling (CPU): "
                 "oneDNN builds a matmul per row count it meets (~10 ms for a bf16 AMX linear), so the "
                 "server's ever-new batch sizes each paid it; false runs the exact row count"})
+    keep_freed_memory: bool = field(default=True, metadata={
+        "help": "glibc's malloc keeps freed batch memory in the process (mmap threshold 32 MB, trim "
+                "threshold 512 MB; embedserve/engine/malloc_tuning.py): otherwise a server page-faults "
+                "its activations in afresh on every batch; false keeps glibc's defaults"})
     packed_linear: bool = field(default=True, metadata={
         "help": "linear weights reordered once into oneDNN's blocked layout (CPU)"})
     decode_gemv: bool = field(default=True, metadata={

@@ -74,6 +74,10 @@ def prepare(cfg: ServerConfig) -> tuple[list[str], list, tuple | None]:
     compute.configure(cfg.paths)
     set_search_threads(cfg.index.faiss_threads)
     lines = ["compute paths: " + ", ".join(cfg.paths.lines()), _index_backend(cfg)]
+    if cfg.paths.keep_freed_memory:
+        from ..engine.malloc_tuning import keep_freed_memory
+        why = keep_freed_memory()
+        lines.append("malloc: freed batch memory kept in the process" if why is None else f"malloc: defaults ({why})")
     resolved, embed_bytes = [], 0
     for model in cfg.embed.models:
         name, path = resolve_model(model)
