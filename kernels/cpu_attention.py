@@ -77,19 +77,19 @@ def _build_dirs() -> list[Path]:
     return [Path(home) / "kernels", Path(tempfile.gettempdir()) / f"embedserve-kernels-{uid}"]
 
 
-def _build(cc: str, target: Path) -> str | None:
-    """Compile the library to `target` (atomically); None, or why it failed."""
+def _build(cc: str, target: Path, source: Path = SOURCE) -> str | None:
+    """Compile `source` to the library `target` (atomically); None, or why it failed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", tmp + ".o"], [cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"]):
+        for cmd in ([cc, *CFLAGS, "-c", str(source), "-o", tmp + ".o"], [cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"]):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
-                return f"compiling {SOURCE.name} failed: {proc.stderr.strip().splitlines()[-1:]}"
+                return f"compiling {source.name} failed: {proc.stderr.strip().splitlines()[-1:]}"
         os.replace(tmp, target)            # atomic: a concurrent build lands the same file
     except (OSError, subprocess.SubprocessError) as exc:
-        return f"compiling {SOURCE.name} failed: {exc}"
+        return f"compiling {source.name} failed: {exc}"
     finally:
         for leftover in (tmp, tmp + ".o"):
             if os.path.exists(leftover):
@@ -108,7 +108,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     global _memo
     paths = compute.current()
     if _memo[0] is not paths:
-        lib, why = _load(paths.cpu_attention)
+        lib, why = load_library(paths.cpu_attention)
         if why is None:
             logger.info("CPU attention: the C kernels (%s) for decode and encoder attention", SOURCE.name)
         else:
@@ -117,15 +117,16 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     return _memo[1], _memo[2]
 
 
-def _load(mode: str = "auto") -> tuple[ctypes.CDLL | None, str | None]:
-    """Build (or find the build of) the library and load it; `mode` is the cpu_attention switch."""
+def load_library(mode: str = "auto", source: Path = SOURCE) -> tuple[ctypes.CDLL | None, str | None]:
+    """Build (or find the build of) the library of `source` (another revision's, for a study) and load
+    it: (it, None) or (None, why not); `mode` is the cpu_attention switch."""
     if mode == "torch":
         return None, "cpu_attention=torch"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None, "no C compiler (cc/gcc) on PATH"
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc,) + CFLAGS + LDFLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    text = source.read_bytes()
+    key = hashlib.sha256(text + " ".join((cc,) + CFLAGS + LDFLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
     why = None
     for folder in _build_dirs():
         target = folder / f"cpu_paged_attention-{key}.so"
@@ -133,7 +134,7 @@ def _load(mode: str = "auto") -> tuple[ctypes.CDLL | None, str | None]:
             why = None
             break
         try:
-            why = _build(cc, target)
+            why = _build(cc, target, source)
         except OSError as exc:                 # this folder is not writable: try the next
             why = f"cannot write {folder}: {exc.strerror or exc}"
             continue

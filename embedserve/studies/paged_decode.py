@@ -33,12 +33,7 @@ CASES = ((64, 130, 256), (16, 130, 256), (1, 130, 256), (8, 1500, 2048), (1, 300
 
 
 def _library(source: Path):
-    """Build and load the kernel library of `source` (cached by its hash like the tree's)."""
-    saved, cpu_attention.SOURCE = cpu_attention.SOURCE, source
-    try:
-        lib, why = cpu_attention._load()
-    finally:
-        cpu_attention.SOURCE = saved
+    lib, why = cpu_attention.load_library(source=source)
     if lib is None:
         raise SystemExit(f"{source}: {why}")
     return lib
@@ -69,7 +64,7 @@ def _layers(batch: int, lo: int, hi: int, dtype: torch.dtype, layers: int) -> li
 
 def _call(lib, q, k, v, tables, ctx) -> torch.Tensor:
     out = torch.empty_like(q)
-    fn = getattr(lib, "paged_decode_attention_" + cpu_attention._SUFFIX[q.dtype])
+    fn = getattr(lib, "paged_decode_attention_" + ("bf16" if q.dtype == torch.bfloat16 else "f32"))  # the C symbols
     rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
             out.data_ptr(), q.shape[0], NH, KVH, HD, BS, ctypes.c_float(HD ** -0.5), torch.get_num_threads())
     assert rc == 0, rc
