@@ -98,3 +98,13 @@ def test_only_generation_merges_its_section_and_keeps_the_rest(tmp_path, monkeyp
     assert md.startswith("### Generation") and "Run " in md.splitlines()[2] and "| bfloat16 | 64 | 100 " in md
     assert "1.25×" in md                                  # ours/vLLM
     assert "old" in (tmp_path / "BENCHMARKS.md").read_text()   # no full run in the file: left as it was
+
+
+def test_only_embeddings_refuses_to_overwrite_a_whole_result(tmp_path):
+    import embedserve.studies.compare as compare
+    out = tmp_path / "compare.json"
+    out.write_text(json.dumps({"embeddings": {}, "generation": {"kept": True}}))
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["--only", "embeddings", "--out", str(out)])
+    assert exc.value.code == 2
+    assert json.loads(out.read_text())["generation"] == {"kept": True}

@@ -125,6 +125,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.only and args.skip:
         ap.error("--only runs one section; --skip leaves sections out of a whole run: give one of them")
+    if args.only == "embeddings" and Path(args.out).exists() and set(json.loads(Path(args.out).read_text())) - {
+            "command", "date", "runs", "machine", "cpu_flags", "minutes", "embeddings"}:
+        ap.error(f"--only embeddings writes its section alone and {args.out} holds other sections: "
+                 "give --out another file (the server share and the ceiling come from a whole run)")
     os.environ.setdefault("EMBEDSERVE_THREADS", str(os.cpu_count() or 1))
     from embedserve.precision import cpu_flags
     t0 = time.time()
