@@ -49,6 +49,9 @@ class ComputePaths:
         "help": "glibc's malloc keeps freed batch memory in the process (mmap threshold 32 MB, trim "
                 "threshold 512 MB; embedserve/engine/malloc_tuning.py): otherwise a server page-faults "
                 "its activations in afresh on every batch; false keeps glibc's defaults"})
+    fast_tokenizer: bool = field(default=True, metadata={
+        "help": "ASCII texts of BERT WordPiece models tokenized in C (kernels/cpu_wordpiece.c; the same ids "
+                "as `tokenizers`, ~20x less CPU); false: `tokenizers` for every text"})
     packed_linear: bool = field(default=True, metadata={
         "help": "linear weights reordered once into oneDNN's blocked layout (CPU)"})
     decode_gemv: bool = field(default=True, metadata={

@@ -23,27 +23,16 @@ torch path. ctypes releases the GIL for the call.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from . import compute
+from . import cbuild, compute
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-# -ffast-math lets GCC vectorize expf (glibc's libmvec) and the dot products; it is given to the
-# compile step only: at the link step it would add crtfastmath.o, which flushes denormals to
-# zero for the whole process. The kernel's values stay finite (no inf/NaN logic relies on IEEE).
-CFLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp", "-ffast-math")
-LDFLAGS = ("-shared", "-fopenmp")
 _VARLEN_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                 ctypes.c_float, ctypes.c_int]
 _RMS_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
@@ -56,46 +45,6 @@ _GEMV_W8_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
          ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_float, ctypes.c_int]
-
-
-def _cpu_id() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        wanted = ("model name", "flags")
-        return "\n".join(sorted({ln for ln in text.splitlines() if ln.split(":")[0].strip() in wanted}))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _build_dirs() -> list[Path]:
-    """$EMBEDSERVE_CACHE_DIR (default $EMBEDSERVE_HOME)/kernels, then a per-user temp folder (a
-    read-only home without a cache volume). Read from the environment: kernels/ imports nothing
-    of embedserve's."""
-    home = (os.environ.get("EMBEDSERVE_CACHE_DIR") or os.environ.get("EMBEDSERVE_HOME")
-            or Path.home() / ".cache" / "embedserve")
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    return [Path(home) / "kernels", Path(tempfile.gettempdir()) / f"embedserve-kernels-{uid}"]
-
-
-def _build(cc: str, target: Path, source: Path = SOURCE) -> str | None:
-    """Compile `source` to the library `target` (atomically); None, or why it failed."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        for cmd in ([cc, *CFLAGS, "-c", str(source), "-o", tmp + ".o"], [cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"]):
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                return f"compiling {source.name} failed: {proc.stderr.strip().splitlines()[-1:]}"
-        os.replace(tmp, target)            # atomic: a concurrent build lands the same file
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"compiling {source.name} failed: {exc}"
-    finally:
-        for leftover in (tmp, tmp + ".o"):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    logger.info("built %s", target)
-    return None
 
 
 _memo: tuple[object, ctypes.CDLL | None, str | None] = (None, None, None)
@@ -122,24 +71,8 @@ def load_library(mode: str = "auto", source: Path = SOURCE) -> tuple[ctypes.CDLL
     it: (it, None) or (None, why not); `mode` is the cpu_attention switch."""
     if mode == "torch":
         return None, "cpu_attention=torch"
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        return None, "no C compiler (cc/gcc) on PATH"
-    text = source.read_bytes()
-    key = hashlib.sha256(text + " ".join((cc,) + CFLAGS + LDFLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
-    why = None
-    for folder in _build_dirs():
-        target = folder / f"cpu_paged_attention-{key}.so"
-        if target.exists():
-            why = None
-            break
-        try:
-            why = _build(cc, target, source)
-        except OSError as exc:                 # this folder is not writable: try the next
-            why = f"cannot write {folder}: {exc.strerror or exc}"
-            continue
-        break
-    if why is not None:
+    target, why = cbuild.built(source)
+    if target is None:
         return None, why
     try:
         lib = ctypes.CDLL(str(target))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import compute, cpu_attention, reference
+from kernels import cbuild, compute, cpu_attention, reference
 
 WHY = cpu_attention.available()
 
@@ -81,7 +81,7 @@ def test_read_only_home_builds_into_a_temp_folder(monkeypatch, tmp_path):
     home = tmp_path / "home-is-a-file"
     home.write_text("")                                    # mkdir under it fails
     monkeypatch.setenv("EMBEDSERVE_HOME", str(home))
-    monkeypatch.setattr(cpu_attention.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(cbuild.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     with compute.override():
         assert cpu_attention.available() is None
         built = list((tmp_path / "tmp").glob("embedserve-kernels-*/cpu_paged_attention-*.so"))
@@ -99,7 +99,7 @@ def test_a_cache_dir_beside_a_read_only_home_keeps_the_build(monkeypatch, tmp_pa
     home.write_text("")
     monkeypatch.setenv("EMBEDSERVE_HOME", str(home))
     monkeypatch.setenv("EMBEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_attention.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(cbuild.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     with compute.override():
         assert cpu_attention.available() is None
         assert len(list((tmp_path / "cache" / "kernels").glob("cpu_paged_attention-*.so"))) == 1
@@ -213,7 +213,7 @@ def test_the_encoder_takes_the_varlen_kernel_on_both_kinds_of_cpu_unless_told(mo
     kernel is ahead of per-sequence SDPA with AVX-512 and with AVX2 only; `cpu_attention=sdpa`
     keeps SDPA for the encoder (the decode kernel stays), `c` is the default spelled out."""
     for flags in ("flags\t: fma avx avx2", "flags\t: avx2 avx512f avx512_bf16"):
-        monkeypatch.setattr(cpu_attention, "_cpu_id", lambda flags=flags: "model name\t: X\n" + flags)
+        monkeypatch.setattr(cbuild, "cpu_id", lambda flags=flags: "model name\t: X\n" + flags)
         with compute.override(cpu_attention="auto"):
             assert cpu_attention.varlen_preferred() is True, flags
     for value, want in (("sdpa", False), ("c", True), ("auto", True), ("torch", False)):

@@ -22,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from kernels import compute
+from kernels.cpu_wordpiece import FastWordPiece
+
 from ..precision import (ProbeResult, cached_probe, check_gate, encoder_precision, store_probe,
                          why as precision_reason)
 from .encoder import AttentionPlan, Encoder, EncoderConfig, load_encoder
@@ -124,6 +127,7 @@ class EmbeddingModel:
             raise ValueError(f"{self.path}: default_prompt_name {self.default_prompt_name!r} is none of its prompts "
                              f"({', '.join(sorted(self.prefixes))})")
         self.tokenizer = self._load_tokenizer()
+        self.fast_tokenizer = self._load_fast_tokenizer()
         self.sparse_head = self.colbert_head = None
         if (self.path / "sparse_linear.pt").exists():
             self.sparse_head = _load_head(self.path / "sparse_linear.pt", self.device)
@@ -164,6 +168,16 @@ class EmbeddingModel:
                 limit = mml
         self.max_input_length = limit
         return tok
+
+    def _load_fast_tokenizer(self) -> FastWordPiece | None:
+        """The C WordPiece tokenizer for this model's ASCII texts (`kernels.cpu_wordpiece`), where it
+        takes this tokenizer.json and agrees with `tokenizers` on its probes; else None."""
+        if not compute.current().fast_tokenizer:
+            return None
+        fast, why = FastWordPiece.build(self.path / "tokenizer.json", self.tokenizer)
+        if fast is None:
+            logger.debug("%s: tokenizers for every text (the C WordPiece does not take it: %s)", self.path.name, why)
+        return fast
 
     def _special_ids(self) -> set[int]:
         ids = set(self.bos_ids) | set(self.eos_ids) | {self.cfg.pad_token_id}
@@ -267,7 +281,14 @@ class EmbeddingModel:
         prefix = self.prefixes.get(input_type or "", "")
         if prefix:
             texts = [prefix + t for t in texts]
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)]
+        if self.fast_tokenizer is None:
+            return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)]
+        out = self.fast_tokenizer.encode(texts)         # ASCII texts; None for the others
+        rest = [i for i, ids in enumerate(out) if ids is None]
+        if rest:
+            for i, e in zip(rest, self.tokenizer.encode_batch([texts[i] for i in rest], add_special_tokens=True)):
+                out[i] = e.ids
+        return out  # type: ignore[return-value]
 
     def wrap_token_ids(self, ids: list[int]) -> list[int]:
         """Client-supplied content token ids get the model's specials, like text does."""

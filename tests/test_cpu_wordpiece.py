@@ -1,0 +1,164 @@
+"""The C WordPiece tokenizer (kernels/cpu_wordpiece.c) gives `tokenizers`' ids, token for token, for
+every text it takes, and hands every other text back; the embedding model mixes the two in order."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer
+
+from kernels import compute
+from kernels.cpu_wordpiece import PROBES, FastWordPiece, _library
+from embedserve.models.registry import resolve_model
+
+WHY = _library()[1]
+needs_build = pytest.mark.skipif(WHY is not None, reason=f"the C tokenizer does not build here: {WHY}")
+
+WORDPIECE_MODELS = ("all-MiniLM-L6-v2", "bge-small-en-v1.5", "ms-marco-MiniLM-L-12-v2", "splade-tiny")
+
+ENGLISH = ("The Eiffel Tower, completed in 1889, is 330 metres (1,083 ft) tall.",
+           "What's the capital of France? Paris -- obviously!",
+           "Retrieval-augmented generation (RAG) grounds an LLM's answers in documents; see arXiv:2005.11401.",
+           "e-mail: first.last+tag@example.co.uk, url: https://example.org/path?q=1&r=2#frag",
+           "C++ and C# aren't Python_3.12; `x = y ** 2` ~ {a: [1, 2]} | <tag/> \\ ^ @ $ % *",
+           "   leading and trailing whitespace\t\tand\r\nnewlines   ",
+           "Antidisestablishmentarianism vs. floccinaucinihilipilification.")
+OTHERS = ("北京是中国的首都。", "Café au lait, naïve résumé", "emoji 🙂 here", "ｆｕｌｌｗｉｄｔｈ", "Straße")
+
+
+def _reference(path) -> Tokenizer:
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def _fuzz(seed: int, n: int) -> list[str]:
+    """ASCII texts: every code point 0-127 at random, word salads with punctuation and controls,
+    the added tokens' contents in any case, words at the 100-character limit and past it."""
+    rng = random.Random(seed)
+    words = ("the of and a to in is was retrieval embedding vector index query passage token unbelievable "
+             "tokenization supercalifragilistic xylophone zzzz qqq").split()
+    out = []
+    for k in range(n):
+        kind = k % 3
+        if kind == 0:
+            out.append("".join(chr(rng.randrange(128)) for _ in range(rng.randint(0, 40))))
+        elif kind == 1:
+            out.append(" ".join(rng.choice(words).upper() if rng.random() < 0.1 else rng.choice(words)
+                                + rng.choice(["", "", ",", ".", "ing", "'s", "-", "\t", "\x00", "\x1f", "\x7f"])
+                                for _ in range(rng.randint(1, 30))))
+        else:
+            out.append("".join(rng.choice(["ab", "qz", "[MASK]", "[mask]", "[Unk]", "[CLS", "SEP]", "##", "#", "  ",
+                                           "\r\n", "[", "]", "x" * rng.randint(95, 105)]) for _ in range(rng.randint(0, 12))))
+    return out
+
+
+@needs_build
+@pytest.mark.parametrize("model", WORDPIECE_MODELS)
+def test_ids_equal_tokenizers_on_every_text_it_takes(model):
+    path = resolve_model(model)[1]
+    ref = _reference(path)
+    fast, why = FastWordPiece.build(path / "tokenizer.json", ref)
+    assert why is None and fast is not None
+    texts = list(ENGLISH) + list(PROBES) + _fuzz(WORDPIECE_MODELS.index(model), 3000)
+    want = [e.ids for e in ref.encode_batch(texts, add_special_tokens=True)]
+    got = fast.encode(texts)
+    taken = [i for i, g in enumerate(got) if g is not None]
+    assert len(taken) > 0.6 * len(texts)          # most ASCII texts: those without an added token
+    for i in taken:
+        assert got[i] == want[i], (model, texts[i])
+    # what it leaves to `tokenizers`: exactly the texts with an added token's content in them
+    for i, g in enumerate(got):
+        if g is None:
+            low = texts[i].lower()
+            assert any(a in low for a in ("[mask]", "[unk]", "[cls]", "[sep]", "[pad]")), texts[i]
+
+
+@needs_build
+def test_non_ascii_texts_go_back_to_tokenizers_in_place():
+    fast, why = FastWordPiece.build(resolve_model("all-MiniLM-L6-v2")[1] / "tokenizer.json")
+    assert why is None
+    texts = [ENGLISH[0], OTHERS[0], ENGLISH[1], OTHERS[1], OTHERS[2]]
+    got = fast.encode(texts)
+    assert [g is None for g in got] == [False, True, False, True, True]
+    assert fast.encode([]) == [] and fast.encode(list(OTHERS)) == [None] * len(OTHERS)
+
+
+@needs_build
+def test_the_model_tokenizes_mixed_batches_as_tokenizers_does(minilm_model):
+    """English through C, Chinese and accented text through `tokenizers`, in the callers' order,
+    with a query prefix too; the same ids as `tokenizers` alone."""
+    assert minilm_model.fast_tokenizer is not None
+    texts = [ENGLISH[0], OTHERS[0], ENGLISH[2], OTHERS[4], ENGLISH[5], "hello [MASK] world", OTHERS[1]]
+    ref = _reference(minilm_model.path)
+    for prefix in ("", "query: "):
+        want = [e.ids for e in ref.encode_batch([prefix + t for t in texts], add_special_tokens=True)]
+        minilm_model.prefixes["_probe"] = prefix
+        try:
+            assert minilm_model.tokenize(texts, "_probe") == want
+        finally:
+            del minilm_model.prefixes["_probe"]
+
+
+@needs_build
+def test_cased_wordpiece_keeps_case(tmp_path):
+    """A tokenizer.json whose normalizer does not lowercase: pieces keep their case, as in
+    `tokenizers` (the uncased vocabulary turns capitalised words into [UNK] or smaller pieces)."""
+    spec = json.loads((resolve_model("all-MiniLM-L6-v2")[1] / "tokenizer.json").read_text())
+    spec["normalizer"]["lowercase"] = False
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    ref = _reference(tmp_path)
+    fast, why = FastWordPiece.build(tmp_path / "tokenizer.json", ref)
+    assert why is None
+    texts = list(ENGLISH) + _fuzz(7, 600)
+    want = [e.ids for e in ref.encode_batch(texts, add_special_tokens=True)]
+    got = fast.encode(texts)
+    assert got[0] != fast_lower(texts[0])             # case matters here
+    assert all(g == w for g, w in zip(got, want) if g is not None)
+
+
+def fast_lower(text):
+    fast, _ = FastWordPiece.build(resolve_model("all-MiniLM-L6-v2")[1] / "tokenizer.json")
+    return fast.encode([text])[0]
+
+
+@needs_build
+def test_tokenizers_it_does_not_take_are_refused_with_the_reason(tmp_path):
+    e5 = resolve_model("multilingual-e5-small")[1]
+    fast, why = FastWordPiece.build(e5 / "tokenizer.json")
+    assert fast is None and "normalizer" in why
+    spec = json.loads((resolve_model("all-MiniLM-L6-v2")[1] / "tokenizer.json").read_text())
+    for change, words in ((("normalizer", "clean_text", False), "normalizer"),
+                          (("pre_tokenizer", "type", "Whitespace"), "pre-tokenizer"),
+                          (("model", "max_input_chars_per_word", 5000), "max_input_chars_per_word")):
+        bad = json.loads(json.dumps(spec))
+        bad[change[0]][change[1]] = change[2]
+        (tmp_path / "tokenizer.json").write_text(json.dumps(bad))
+        fast, why = FastWordPiece.build(tmp_path / "tokenizer.json")
+        assert fast is None and words in why
+
+
+@needs_build
+def test_a_tokenizer_that_disagrees_on_the_probes_is_not_used():
+    path = resolve_model("all-MiniLM-L6-v2")[1]
+
+    class Off:                          # `tokenizers` answering one id more for each probe
+        def encode_batch(self, texts, add_special_tokens=True):
+            return [type("E", (), {"ids": e.ids + [0]})() for e in _reference(path).encode_batch(texts)]
+
+    fast, why = FastWordPiece.build(path / "tokenizer.json", Off())
+    assert fast is None and "differ" in why
+
+
+def test_the_switch_turns_it_off(minilm_dir, monkeypatch):
+    from embedserve.models.embedding_model import EmbeddingModel
+    monkeypatch.setenv("EMBEDSERVE_FAST_TOKENIZER", "0")
+    assert compute.ComputePaths.from_env().fast_tokenizer is False
+    with compute.override(fast_tokenizer=False):
+        model = EmbeddingModel(minilm_dir, dtype="float32")
+        assert model.fast_tokenizer is None
+        want = [e.ids for e in _reference(minilm_dir).encode_batch(list(ENGLISH), add_special_tokens=True)]
+        assert model.tokenize(list(ENGLISH)) == want
