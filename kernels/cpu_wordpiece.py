@@ -172,21 +172,23 @@ class FastWordPiece:
                 return False                     # removed controls could join an added token's pieces
         return True
 
-    def encode(self, texts: list[str]) -> list[list[int] | None]:
-        """Each text's ids with the specials around them, or None for one it does not take."""
+    def encode(self, texts: list[str], specials: bool = True) -> list[list[int] | None]:
+        """Each text's ids (with the specials around them, or without: `add_special_tokens`), or
+        None for one it does not take."""
         mine = [i for i, t in enumerate(texts) if self.takes(t)]
         out: list[list[int] | None] = [None] * len(texts)
         if not mine:
             return out
         raw = [texts[i].encode("ascii") for i in mine]
         offsets = np.fromiter(itertools.accumulate(map(len, raw), initial=0), dtype=np.int64, count=len(raw) + 1)
-        cap = int(offsets[-1]) + len(raw) * (len(self.before) + len(self.after))
+        before, after = (self._before, self._after) if specials else (self._before[:0], self._after[:0])
+        cap = int(offsets[-1]) + len(raw) * (len(before) + len(after))
         ids = np.empty(max(cap, 1), dtype=np.int32)
         where = np.empty(len(raw) + 1, dtype=np.int64)
         n = self._lib.wp_encode_batch(self._handle, b"".join(raw), offsets.ctypes.data, len(raw),
                                       int(self.lowercase), self.max_chars, self.unk,
-                                      self._before.ctypes.data, len(self.before), self._after.ctypes.data,
-                                      len(self.after), ids.ctypes.data, where.ctypes.data)
+                                      before.ctypes.data, len(before), after.ctypes.data, len(after),
+                                      ids.ctypes.data, where.ctypes.data)
         flat, bounds = ids[:n].tolist(), where.tolist()
         for k, i in enumerate(mine):
             out[i] = flat[bounds[k]:bounds[k + 1]]

@@ -70,6 +70,12 @@ def test_ids_equal_tokenizers_on_every_text_it_takes(model):
     assert len(taken) > 0.6 * len(texts)          # most ASCII texts: those without an added token
     for i in taken:
         assert got[i] == want[i], (model, texts[i])
+    # without the specials (a cross-encoder's query and documents): `add_special_tokens=False`
+    bare = [e.ids for e in ref.encode_batch(texts, add_special_tokens=False)]
+    got = fast.encode(texts, specials=False)
+    assert [i for i, g in enumerate(got) if g is not None] == taken
+    for i in taken:
+        assert got[i] == bare[i], (model, texts[i])
     # what it leaves to `tokenizers`: exactly the texts with an added token's content in them
     for i, g in enumerate(got):
         if g is None:

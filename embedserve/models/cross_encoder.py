@@ -153,7 +153,7 @@ class CrossEncoderModel(EmbeddingModel):
 
     # --------------------------------------------------------------------- pairs
     def query_ids(self, query: str) -> list[int]:
-        return self.tokenizer.encode(query, add_special_tokens=False).ids
+        return self.content_ids([query])[0]
 
     def pairs(self, query: str | list[int], documents: list[str], limit: int | None = None,
               max_doc_tokens: int | None = None, truncate: bool = True) -> Pairs:
@@ -170,8 +170,7 @@ class CrossEncoderModel(EmbeddingModel):
             room = min(room, max_doc_tokens)
         head = pre + q + mid
         out = Pairs([], [])
-        for i, enc in enumerate(self.tokenizer.encode_batch(documents, add_special_tokens=False)):
-            d = enc.ids
+        for i, d in enumerate(self.content_ids(documents)):
             if len(d) > room:
                 if not truncate:
                     raise DocumentTooLong(i, len(head) + len(d) + len(post), limit)

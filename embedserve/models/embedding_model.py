@@ -281,12 +281,19 @@ class EmbeddingModel:
         prefix = self.prefixes.get(input_type or "", "")
         if prefix:
             texts = [prefix + t for t in texts]
+        return self._encode(texts, True)
+
+    def content_ids(self, texts: list[str]) -> list[list[int]]:
+        """Token ids without specials (a cross-encoder's query and documents, placed in its pair template)."""
+        return self._encode(texts, False)
+
+    def _encode(self, texts: list[str], specials: bool) -> list[list[int]]:
         if self.fast_tokenizer is None:
-            return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)]
-        out = self.fast_tokenizer.encode(texts)         # ASCII texts; None for the others
+            return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=specials)]
+        out = self.fast_tokenizer.encode(texts, specials)       # ASCII texts; None for the others
         rest = [i for i, ids in enumerate(out) if ids is None]
         if rest:
-            for i, e in zip(rest, self.tokenizer.encode_batch([texts[i] for i in rest], add_special_tokens=True)):
+            for i, e in zip(rest, self.tokenizer.encode_batch([texts[i] for i in rest], add_special_tokens=specials)):
                 out[i] = e.ids
         return out  # type: ignore[return-value]
 

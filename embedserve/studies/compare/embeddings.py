@@ -50,12 +50,12 @@ def embed_served(system: str, base: str, model: str, data: Path, runs: int) -> d
     return out
 
 
-def _served_pass(base: str, model: str, data: Path) -> float:
-    """One pass of the 32 texts/request × 8 clients workload over the corpus's first 384 texts
+def _served_pass(base: str, model: str, data: Path, n_texts: int) -> float:
+    """One pass of the 32 texts/request × 8 clients workload over the corpus's first `n_texts` texts
     (the in-process texts); input tokens/s."""
-    _, per_req, conc, n = EMBED_WORKLOADS[2]
+    _, per_req, conc, _ = EMBED_WORKLOADS[2]
     r, = drive("embed", base, model, data, "--batch-size", str(per_req), "--max-concurrency", str(conc),
-               "--num-requests", str(n), "--warmup", "0")
+               "--num-requests", str(n_texts // per_req), "--warmup", "0")
     return r["metrics"]["input_token_throughput"]
 
 
@@ -143,6 +143,7 @@ def encoder_in_process(path: Path, name: str, dtype: str, texts: list[str], runs
         out["served"] = {"tokens_per_s": med(served_rates), "share_of_in_process": med(shares),
                          "shares": shares}
     out["precision"] = {"ours": ours_model.precision, "transformers": str(tdtype).removeprefix("torch.")}
+    out["texts"] = len(texts)
     out["ratio"] = out["ours"]["tokens_per_s"] / out["transformers"]["tokens_per_s"]
     log(f"  in process {out['precision']}: ours {out['ours']['tokens_per_s']:.0f} tokens/s, transformers "
         f"{out['transformers']['tokens_per_s']:.0f} ({out['ratio']:.2f}x)")
@@ -169,11 +170,13 @@ def bench_embeddings(runs: int, work: Path) -> dict:
                     res["sweep"]["ours"] = embed_sweep(base, name, data, sat)
                 # the encoder in process and the matmul rate right after the served runs of the same
                 # precision, the server (idle meanwhile) taking its turn in the in-process rounds on
-                # the same 384 texts: this shared machine's speed moves by 10-15 % within minutes,
-                # and these three are compared with one another (server share, fraction of the ceiling)
+                # the same texts, the whole corpus (a pass of ~1 s on each side: passes of its first
+                # 384 texts, ~0.5 s, moved the server's share by up to ±20 % from round to round):
+                # this shared machine's speed moves by 10-15 % within minutes, and these three are
+                # compared with one another (server share, fraction of the ceiling)
                 ip_key = "float32" if resolved == "float32" else "auto"
                 res["in_process"][ip_key] = encoder_in_process(
-                    path, name, dtype, texts[:384], runs, served=lambda: _served_pass(base, name, data))
+                    path, name, dtype, texts, runs, served=lambda: _served_pass(base, name, data, len(texts)))
             prec = res["in_process"][ip_key]["precision"]["ours"]
             shape = ceiling_shape(path)
             res["in_process"][ip_key]["matmul_shape"] = list(shape)

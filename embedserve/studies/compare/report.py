@@ -53,7 +53,7 @@ def markdown(res: dict) -> str:
         for dtype, ip in r.get("in_process", {}).items():
             served = (r["ours"]["float32"] if dtype == "float32" else best_of(r["ours"]))["32 texts/request, 8 clients"]
             lines += ["", f"In process, {ip['precision']['ours']} (transformers {ip['precision']['transformers']}), "
-                      f"the same texts: ours {ip['ours']['tokens_per_s']:.0f} tokens/s (4,096-token batches) vs "
+                      f"the same {ip.get('texts', 384)} texts: ours {ip['ours']['tokens_per_s']:.0f} tokens/s (4,096-token batches) vs "
                       f"transformers {ip['transformers']['tokens_per_s']:.0f} (sorted batches of 32) = "
                       f"{_x(ip['ours']['tokens_per_s'], ip['transformers']['tokens_per_s'])}; "
                       + _server_share(served, ip)]
