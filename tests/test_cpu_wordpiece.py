@@ -168,3 +168,13 @@ def test_the_switch_turns_it_off(minilm_dir, monkeypatch):
         assert model.fast_tokenizer is None
         want = [e.ids for e in _reference(minilm_dir).encode_batch(list(ENGLISH), add_special_tokens=True)]
         assert model.tokenize(list(ENGLISH)) == want
+
+
+def test_a_model_it_does_not_take_tokenizes_as_tokenizers_does(e5_model):
+    """multilingual-e5-small (SentencePiece Unigram): every text through `tokenizers`
+    (encode_batch_fast, no offsets), the same ids as its encode_batch, with and without specials."""
+    assert e5_model.fast_tokenizer is None
+    texts = list(ENGLISH) + list(OTHERS) + _fuzz(3, 300)
+    ref = _reference(e5_model.path)
+    assert e5_model.tokenize(texts) == [e.ids for e in ref.encode_batch(texts, add_special_tokens=True)]
+    assert e5_model.content_ids(texts) == [e.ids for e in ref.encode_batch(texts, add_special_tokens=False)]

@@ -288,12 +288,15 @@ class EmbeddingModel:
         return self._encode(texts, False)
 
     def _encode(self, texts: list[str], specials: bool) -> list[list[int]]:
+        # `tokenizers`' encode_batch_fast: the same ids without the character offsets, ~20 % less
+        # CPU (multilingual-e5-small, 32 texts: 3.0 vs 3.7 ms)
         if self.fast_tokenizer is None:
-            return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=specials)]
+            return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=specials)]
         out = self.fast_tokenizer.encode(texts, specials)       # ASCII texts; None for the others
         rest = [i for i, ids in enumerate(out) if ids is None]
         if rest:
-            for i, e in zip(rest, self.tokenizer.encode_batch([texts[i] for i in rest], add_special_tokens=specials)):
+            encoded = self.tokenizer.encode_batch_fast([texts[i] for i in rest], add_special_tokens=specials)
+            for i, e in zip(rest, encoded):
                 out[i] = e.ids
         return out  # type: ignore[return-value]
 
