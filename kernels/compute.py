@@ -51,7 +51,7 @@ class ComputePaths:
                 "its activations in afresh on every batch; false keeps glibc's defaults"})
     fast_tokenizer: bool = field(default=True, metadata={
         "help": "ASCII texts of BERT WordPiece models tokenized in C (kernels/cpu_wordpiece.c; the same ids "
-                "as `tokenizers`, ~20x less CPU); false: `tokenizers` for every text"})
+                "as `tokenizers`, checked on probe texts at load); false: `tokenizers` for every text"})
     packed_linear: bool = field(default=True, metadata={
         "help": "linear weights reordered once into oneDNN's blocked layout (CPU)"})
     decode_gemv: bool = field(default=True, metadata={

@@ -1,11 +1,12 @@
 """BERT WordPiece tokenization of ASCII texts in C (`cpu_wordpiece.c`), the same ids as Hugging Face
-`tokenizers` for the tokenizers it takes, ~20x faster.
+`tokenizers` for the tokenizers it takes: 32 English texts in 0.13 ms against 1.81 ms (and ~3.4 ms
+of CPU on `tokenizers`' two threads).
 
-Why: at 32 texts per request, `tokenizers` spent ~3.5 ms of CPU per request of all-MiniLM-L6-v2
-(English and Chinese texts of ~250 characters, 118 us per English text), ~0.07 of the 2 cores
-while the encoder used the rest: a served batch took ~7 % longer than in process, the tokenizer
-thread preempting one of the model's two threads and the other waiting for it at the next
-barrier. Sending token ids instead of text made the same server 1.08x faster (BENCHMARKS.md).
+Why: at 32 texts per request, `tokenizers` spent ~3 ms of CPU per request of all-MiniLM-L6-v2 on
+make bench's corpus while the encoder used the rest of the 2 cores, and each slice of it preempted
+one of the model's two threads, the other waiting for it at the next barrier. Served, text reached
+0.940-0.960 of the same texts sent as token ids without this path and 0.963-0.974 with it
+(`python -m embedserve.studies.tokenize_bench`, BENCHMARKS.md).
 
 What it takes: a tokenizer.json of BertNormalizer (clean_text on; lowercase or not) +
 BertPreTokenizer + WordPiece, specials from TemplateProcessing or BertProcessing (BERT, MiniLM,
@@ -67,7 +68,17 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     return _lib
 
 
-def _specials(post: dict | None, vocab: dict[str, int]) -> tuple[list[int], list[int]] | str:
+def read_spec(tokenizer_json: Path | dict) -> dict | str:
+    """A tokenizer.json's content (given as is where it already is), or why it cannot be read."""
+    if isinstance(tokenizer_json, dict):
+        return tokenizer_json
+    try:
+        return json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"cannot read {tokenizer_json}: {exc}"
+
+
+def template_specials(post: dict | None, vocab: dict[str, int]) -> tuple[list[int], list[int]] | str:
     """([CLS]-like ids before a text, [SEP]-like ids after) of the post-processor, or why not taken."""
     if post is None:
         return [], []
@@ -103,7 +114,7 @@ class FastWordPiece:
         self.lowercase = bool(spec["normalizer"].get("lowercase", True))
         self.max_chars = int(model.get("max_input_chars_per_word", 100))
         self.unk = vocab[model.get("unk_token", "[UNK]")]
-        self.before, self.after = _specials(spec.get("post_processor"), vocab)   # checked by `build`
+        self.before, self.after = template_specials(spec.get("post_processor"), vocab)   # checked by `build`
         added = spec.get("added_tokens") or []
         self.added = tuple({a["content"].lower() for a in added if a.get("content")})
         self.added_normalized = any(a.get("normalized") for a in added)
@@ -124,13 +135,13 @@ class FastWordPiece:
             self._lib.wp_vocab_free(handle)
 
     @classmethod
-    def build(cls, tokenizer_json: Path, reference=None) -> tuple["FastWordPiece | None", str | None]:
-        """(the fast tokenizer, None) or (None, why not). `reference`: the `tokenizers.Tokenizer`
-        it must agree with on `PROBES` (specials added, no truncation or padding)."""
-        try:
-            spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            return None, f"cannot read {tokenizer_json}: {exc}"
+    def build(cls, tokenizer_json: Path | dict, reference=None) -> tuple["FastWordPiece | None", str | None]:
+        """(the fast tokenizer, None) or (None, why not) for a tokenizer.json (its path, or its
+        content). `reference`: the `tokenizers.Tokenizer` it must agree with on `PROBES` (specials
+        added, no truncation or padding)."""
+        spec = read_spec(tokenizer_json)
+        if isinstance(spec, str):
+            return None, spec
         norm, pre, model = spec.get("normalizer") or {}, spec.get("pre_tokenizer") or {}, spec.get("model") or {}
         if norm.get("type") != "BertNormalizer" or not norm.get("clean_text", True):
             return None, f"normalizer {norm.get('type')!r} (BertNormalizer with clean_text is what it takes)"
@@ -145,7 +156,7 @@ class FastWordPiece:
             return None, f"max_input_chars_per_word past {MAX_CHARS}"
         if len(model.get("continuing_subword_prefix", "##").encode("utf-8")) > 15:
             return None, "a continuation prefix past 15 bytes"
-        specials = _specials(spec.get("post_processor"), vocab)
+        specials = template_specials(spec.get("post_processor"), vocab)
         if isinstance(specials, str):
             return None, specials
         lib, why = _library()
