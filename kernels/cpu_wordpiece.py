@@ -78,7 +78,7 @@ def read_spec(tokenizer_json: Path | dict) -> dict | str:
         return f"cannot read {tokenizer_json}: {exc}"
 
 
-def template_specials(post: dict | None, vocab: dict[str, int]) -> tuple[list[int], list[int]] | str:
+def template_specials(post: dict | None) -> tuple[list[int], list[int]] | str:
     """([CLS]-like ids before a text, [SEP]-like ids after) of the post-processor, or why not taken."""
     if post is None:
         return [], []
@@ -108,13 +108,13 @@ class FastWordPiece:
     """The C tokenizer for one tokenizer.json; `encode` gives each text's ids, or None for a text
     that `tokenizers` must take (non-ASCII, or holding an added token)."""
 
-    def __init__(self, lib: ctypes.CDLL, spec: dict, vocab: dict[str, int]):
+    def __init__(self, lib: ctypes.CDLL, spec: dict, vocab: dict[str, int], specials: tuple[list[int], list[int]]):
+        """`specials`: the ids before and after a text (`template_specials`, which `build` checked)."""
         model = spec["model"]
         self._lib = lib
         self.lowercase = bool(spec["normalizer"].get("lowercase", True))
         self.max_chars = int(model.get("max_input_chars_per_word", 100))
         self.unk = vocab[model.get("unk_token", "[UNK]")]
-        self.before, self.after = template_specials(spec.get("post_processor"), vocab)   # checked by `build`
         added = spec.get("added_tokens") or []
         self.added = tuple({a["content"].lower() for a in added if a.get("content")})
         self.added_normalized = any(a.get("normalized") for a in added)
@@ -126,8 +126,7 @@ class FastWordPiece:
                                         prefix, len(prefix))
         if not self._handle:
             raise MemoryError("the WordPiece vocabulary table could not be allocated")
-        self._before = np.asarray(self.before, dtype=np.int32)
-        self._after = np.asarray(self.after, dtype=np.int32)
+        self._before, self._after = (np.asarray(ids, dtype=np.int32) for ids in specials)
 
     def __del__(self):
         handle, self._handle = getattr(self, "_handle", None), None
@@ -156,13 +155,13 @@ class FastWordPiece:
             return None, f"max_input_chars_per_word past {MAX_CHARS}"
         if len(model.get("continuing_subword_prefix", "##").encode("utf-8")) > 15:
             return None, "a continuation prefix past 15 bytes"
-        specials = template_specials(spec.get("post_processor"), vocab)
+        specials = template_specials(spec.get("post_processor"))
         if isinstance(specials, str):
             return None, specials
         lib, why = _library()
         if lib is None:
             return None, why
-        fast = cls(lib, spec, vocab)
+        fast = cls(lib, spec, vocab, specials)
         if reference is not None:
             want = [e.ids for e in reference.encode_batch(list(PROBES), add_special_tokens=True)]
             got = fast.encode(list(PROBES))
