@@ -88,6 +88,8 @@ def load_library(mode: str = "auto", source: Path = SOURCE) -> tuple[ctypes.CDLL
     lib.amx_available.argtypes, lib.amx_available.restype = [], ctypes.c_int
     lib.gemv_f32.argtypes, lib.gemv_f32.restype = _GEMV_ARGS, ctypes.c_int
     lib.gemv_w8_f32.argtypes, lib.gemv_w8_f32.restype = _GEMV_W8_ARGS, ctypes.c_int
+    lib.gemv_w8_bf16.argtypes, lib.gemv_w8_bf16.restype = _GEMV_W8_ARGS, ctypes.c_int
+    lib.gemv_w8_bf16_path.argtypes, lib.gemv_w8_bf16_path.restype = [], ctypes.c_char_p
     if lib.w8_layout() != W8_ROWS * 100 + W8_COLS:
         return None, f"{SOURCE.name}'s int8 layout is not the one pack_w8 packs"
     return lib, None
@@ -330,8 +332,10 @@ def unpack_w8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 def gemv_w8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
             ) -> torch.Tensor:
     """Weight-only int8: `F.linear(x, q * scale[:, None], bias)` for x (M, K) float32 or bfloat16
-    (computed in float32, returned in x's dtype), `packed` = pack_w8(q) of the int8 (N, K) q, scale
-    (N,) float32. Any M: a block's weights are converted once per call whatever the rows."""
+    (returned in x's dtype), `packed` = pack_w8(q) of the int8 (N, K) q, scale (N,) float32. float32
+    rows are summed in float32 (gemv_w8_f32); bfloat16 rows are scaled by a power of two into int16
+    (exact for the values within 2^7 of the row's largest) and summed exactly in integers
+    (gemv_w8_bf16). Any M: a block's weights are read once per call whatever the rows."""
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"the CPU kernels are not available: {why}")
@@ -339,15 +343,17 @@ def gemv_w8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: to
     if not (x.dim() == 2 and packed.dtype == torch.int8 and packed.is_contiguous() and x.device.type == "cpu"
             and Kp - W8_COLS < x.shape[1] <= Kp and packed.shape[0] == -(-N // W8_ROWS) * W8_ROWS):
         raise ValueError("cpu gemv_w8: x (M, K), packed = pack_w8(q) of an int8 q (N, K), scale (N,), on the CPU")
-    xf = x.to(torch.float32)
+    bf16 = x.dtype == torch.bfloat16
+    xf = x if bf16 else x.to(torch.float32)
     if x.shape[1] != Kp:
         xf = torch.nn.functional.pad(xf, (0, Kp - x.shape[1]))
     xf = xf.contiguous()
     scale = scale.to(torch.float32).contiguous()
     bias = None if bias is None else bias.to(torch.float32).contiguous()      # held: its pointer is passed
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
-    rc = lib.gemv_w8_f32(xf.data_ptr(), packed.data_ptr(), scale.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                         y.data_ptr(), x.shape[0], N, Kp, torch.get_num_threads())
+    rc = (lib.gemv_w8_bf16 if bf16 else lib.gemv_w8_f32)(
+        xf.data_ptr(), packed.data_ptr(), scale.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+        x.shape[0], N, Kp, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"cpu gemv_w8 failed (code {rc})")
     return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -28,7 +28,7 @@ _I = ctypes.c_int64
 # x, out, linears, norms, k caches, v caches, cos, sin, slots; num_slots, block tables, their stride, context
 # lens; T, H, I, L, nh, kvh, hd, block size; eps, scale; scratch; threads
 _ARGS = [_P] * 9 + [_I, _P, _I, _P] + [_I] * 8 + [ctypes.c_float, ctypes.c_float, _P, ctypes.c_int]
-# bf16: the same, with two scratch buffers (bf16 intermediates, float32 linear input and output)
+# bf16: the same, with two scratch buffers (bf16 intermediates, float32 linear output)
 _ARGS_BF16 = _ARGS[:-1] + [_P, ctypes.c_int]
 _FNS = {torch.float32: ("decode_forward_f32", _ARGS), torch.bfloat16: ("decode_forward_bf16", _ARGS_BF16)}
 
@@ -137,9 +137,8 @@ class DecodeLayers:
                 self.num_slots, bt.data_ptr(), bt.shape[1], ctx.data_ptr(), T, self.H, self.I, self.num_layers,
                 self.nh, self.kvh, self.hd, self.block_size, float(self.eps), float(self.hd ** -0.5),
                 scratch.data_ptr()]
-        if self.dtype == torch.bfloat16:          # one linear's float32 input and output rows
-            wide = torch.empty(T * (max(self.H, self.nh * self.hd, self.I) + max(qkv_w, self.H, 2 * self.I)),
-                               dtype=torch.float32)
+        if self.dtype == torch.bfloat16:          # one linear's float32 output rows
+            wide = torch.empty(T * max(qkv_w, self.H, 2 * self.I), dtype=torch.float32)
             args.append(wide.data_ptr())
         rc = fn(*args, torch.get_num_threads())
         if rc != 0:

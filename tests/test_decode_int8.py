@@ -55,6 +55,55 @@ def test_gemv_w8_equals_the_dequantized_float_product(rows, n, k):
     assert float((got_b.double() - ref_b).abs().max()) <= 1e-2 * max(1.0, float(ref_b.abs().max()))
 
 
+def _int16_rows_reference(xb, q, scale, bias):
+    """gemv_w8's bf16 arithmetic spelled out: each row times 2^(15 - e) (max |x| < 2^e), rounded
+    to integers (ties to even), the integer products summed exactly (float64 holds these sums
+    exactly), times scale * 2^(e - 15) in float64 (one rounding), rounded to float32, + bias."""
+    x = xb.double()
+    amax = x.abs().amax(1, keepdim=True)
+    e = torch.frexp(amax.float())[1].double()
+    nz = amax > 0
+    xq = torch.round(x * torch.where(nz, torch.pow(2.0, 15 - e), torch.zeros_like(amax)))
+    assert float(xq.abs().max()) < 2 ** 15
+    sums = xq @ q.double().T
+    y = (sums * scale.double() * torch.where(nz, torch.pow(2.0, e - 15), torch.zeros_like(amax))).float()
+    return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+@pytest.mark.parametrize("n,k", [(8, 16), (37, 50), (200, 576), (13, 4100)])
+def test_gemv_w8_bf16_sums_the_int16_rows_exactly(rows, n, k):
+    """bf16 rows go through int16 and integer sums: the result is that arithmetic's to the bit
+    (every ISA path of the kernel gives the same integers), the rows' top 8 binades are exact, and
+    a row of zeros or one of tiny values (2^-120: the power-of-two scale leaves float's range)
+    still comes out right."""
+    _, q, scale = _quantized(n, k, seed=n * k)
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=g)
+    x[rows // 2] *= 2.0 ** -120
+    if rows > 2:
+        x[1] = 0.0
+    xb = x.to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    got = cpu_attention.gemv_w8(xb, cpu_attention.pack_w8(q), scale, bias)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, _int16_rows_reference(xb, q, scale, bias).to(torch.bfloat16))
+    if rows > 2:
+        assert torch.equal(got[1], bias.to(torch.bfloat16))
+
+
+def test_gemv_w8_bf16_does_not_overflow_at_the_largest_products():
+    """Every weight at +-127 and every activation at its row's largest: a lane's int32 sum would
+    wrap past 4,096 columns, so longer rows are summed in chunks (here 9,008 columns)."""
+    k = 9008
+    q = torch.full((16, k), 127, dtype=torch.int8)
+    q[1] = -127
+    x = torch.full((2, k), 3.0, dtype=torch.bfloat16)
+    got = cpu_attention.gemv_w8(x, cpu_attention.pack_w8(q), torch.ones(16)).float()
+    want = torch.tensor(3.0 * 127 * k).to(torch.bfloat16).float()
+    assert float(got[0, 0]) == float(want) and float(got[1, 1]) == -float(want)
+
+
 def test_weight_int8_linear_reads_a_quarter_of_fp32s_bytes():
     w, _, _ = _quantized(64, 96)
     lin = decode_int8.WeightInt8Linear(w)
