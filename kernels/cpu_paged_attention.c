@@ -1096,120 +1096,65 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const float *b, float *y, in
 #endif
 
 /* ---------------------------------------------------------------- weight-only int8 linear
- * y (M, N) = (x (M, K) q^T) * scale + b, q int8 per output channel (w ≈ q[n] * scale[n]), x and
- * y float32: the decoder's linears with a quarter of fp32's weight bytes. q is stored blocked,
- * [N/8][K/16][8 rows][16 columns] (W8_ROWS x W8_COLS; N and K zero-padded to those multiples by
- * kernels/cpu_attention.pack_w8), so a block of 8 output rows reads one contiguous run of bytes:
- * read row by row, 8 streams each consumed 8 bytes at a time, the same loop ran at 2.7 GB/s per
- * core on the AVX2 EPYC (the prefetchers lose them), blocked it streams. One row of x converts
- * the weights in registers (sign-extending load + convert, then FMA); more rows convert a
- * block's K-chunk once into a float tile in L1 and reuse it for every row, so the conversion is
- * paid once per weight whatever M. The scale is applied once per output, after the sum. */
+ * y (M, N) = (x (M, K) q^T) * scale + b, q int8 per output channel (w ≈ q[n] * scale[n]), x float32
+ * (gemv_w8_f32) or bfloat16 (gemv_w8_bf16), y float32: the decoder's linears with a quarter of fp32's
+ * weight bytes. q is stored blocked, [N/8][K/16][8 rows][16 columns] (W8_ROWS x W8_COLS; N and K
+ * zero-padded to those multiples by kernels/cpu_attention.pack_w8), so a block of 8 output rows
+ * reads one contiguous run of bytes: read row by row, 8 streams each consumed 8 bytes at a time, a
+ * float loop ran at 2.7 GB/s per core on the AVX2 EPYC (the prefetchers lose them), blocked it
+ * streams. The scale is applied once per output, after the sum. */
 #define W8_ROWS 8
 #define W8_COLS 16
-#define W8_KC 512      /* K-chunk of a tile: 8 rows x 512 floats = 16 KB */
-/* software prefetch this many bytes ahead of the block being read: the hardware prefetchers
- * alone left the one-row loop at ~11.5 GB/s on 2 AVX2 EPYC cores, against ~16 for a plain fp32
- * read; 1,536 bytes (12 column blocks) ahead measured +12 % and +25 % in two interleaved runs
- * (384 to 2,048 bytes all helped). Past the last block it reads ahead harmlessly (no fault). */
 #define W8_PREFETCH 1536
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
-static inline vec qld(const int8_t *p) {     /* VW int8 -> floats: one sign-extending load + convert */
-#if VW == 16
-    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#else
-    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#endif
-}
-#else
-typedef int8_t qvec __attribute__((vector_size(VW), aligned(1)));
-static inline vec qld(const int8_t *p) { return __builtin_convertvector(*(const qvec *)p, vec); }
 #endif
 
 int w8_layout(void) { return W8_ROWS * 100 + W8_COLS; }     /* what pack_w8 checks it packs for */
 
-int gemv_w8_f32(const float *x, const int8_t *q, const float *scale, const float *b, float *y, int64_t M,
-                int64_t N, int64_t Kp, int num_threads) {
-    if (M < 1 || N < 1 || Kp < W8_COLS || Kp % W8_COLS) return -1;
-    const int64_t nb = (N + W8_ROWS - 1) / W8_ROWS;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t blk = 0; blk < nb; blk++) {
-        const int64_t n0 = blk * W8_ROWS, rows = N - n0 >= W8_ROWS ? W8_ROWS : N - n0;
-        const int8_t *base = q + blk * W8_ROWS * Kp;
-        float acc[W8_ROWS];
-        if (M == 1) {
-            vec a[W8_ROWS] = {{0}};
-            for (int64_t c = 0; c < Kp; c += W8_COLS) {
-                const int8_t *p = base + c * W8_ROWS;
-                __builtin_prefetch(p + W8_PREFETCH);
-                __builtin_prefetch(p + W8_PREFETCH + 64);
-                for (int h = 0; h < W8_COLS / VW; h++) {
-                    const vec xv = WLD(x + c + h * VW);
-                    for (int j = 0; j < W8_ROWS; j++) a[j] += qld(p + j * W8_COLS + h * VW) * xv;
-                }
-            }
-            for (int64_t j = 0; j < rows; j++) y[n0 + j] = hsum(a[j]) * scale[n0 + j] + (b ? b[n0 + j] : 0.f);
-            continue;
-        }
-        float tile[W8_ROWS * W8_KC] __attribute__((aligned(64)));
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < rows; j++) y[m * N + n0 + j] = 0.f;
-        for (int64_t k0 = 0; k0 < Kp; k0 += W8_KC) {
-            const int64_t kc = Kp - k0 < W8_KC ? Kp - k0 : W8_KC;
-            for (int64_t c = 0; c < kc; c += W8_COLS) {
-                const int8_t *p = base + (k0 + c) * W8_ROWS;
-                __builtin_prefetch(p + W8_PREFETCH);
-                __builtin_prefetch(p + W8_PREFETCH + 64);
-                for (int j = 0; j < W8_ROWS; j++)
-                    for (int h = 0; h < W8_COLS / VW; h++)
-                        *(vec *)(tile + j * W8_KC + c + h * VW) = qld(p + j * W8_COLS + h * VW);
-            }
-            for (int64_t m = 0; m < M; m++) {
-                const float *xm = x + m * Kp + k0;
-                vec a[W8_ROWS] = {{0}};
-                for (int64_t k = 0; k < kc; k += VW) {
-                    const vec xv = WLD(xm + k);
-                    for (int j = 0; j < W8_ROWS; j++) a[j] += WLD(tile + j * W8_KC + k) * xv;
-                }
-                for (int j = 0; j < W8_ROWS; j++) acc[j] = hsum(a[j]);
-                for (int64_t j = 0; j < rows; j++) y[m * N + n0 + j] += acc[j];
-            }
-        }
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < rows; j++)
-                y[m * N + n0 + j] = y[m * N + n0 + j] * scale[n0 + j] + (b ? b[n0 + j] : 0.f);
-    }
-    return 0;
-}
-
-/* The same linear for bfloat16 activations, in integers: each row of x is scaled by a power of two
- * 2^s (s from its largest |x|: every |x| * 2^s < 2^15) and rounded to int16, so every value within
- * 2^7 of the row's largest (its top 8 binades) is exact and the rest are rounded to 2^-15 of the
- * largest, finer than the bf16 spacing of any value in the top binade; the int8 x int16 products
- * are then summed exactly in int32 (AVX512-VNNI vpdpwssd, 32 weights per instruction, or AVX2
- * vpmaddwd) and y = (float)(sum * scale[n] * 2^-s, in double) + b. Per 32 weights that is one sign-extending load
- * and one dot product, where gemv_w8_f32 spends six instructions (widen, convert, FMA per 16),
- * which kept a bf16 step of one sequence under the memory bandwidth (Zen 4: ~21 of 30 GB/s).
- * The integer sums are the same on every ISA path, so every build gives the same y to the bit.
+/* The arithmetic, in integers: each row of x is scaled by a power of two 2^s (s from its largest
+ * |x|: every |x| * 2^s < 2^15) and rounded to int16, so every value within 2^7 of the row's largest
+ * (its top 8 binades) keeps bf16's precision or better and every value's error is at most 2^-16 of
+ * the row's largest (summed over a row: a 2^-16 sqrt(K) fraction of x's norm at most, far under
+ * the int8 weights' own error); the int8 x int16 products are then summed exactly in int32
+ * (AVX512-VNNI vpdpwssd, 32 weights per instruction, or AVX2 vpmaddwd, 16) and
+ * y = (float)(sum * scale[n] * 2^-s, in double) + b. Per 32 weights that is one sign-extending
+ * load and one dot product where a float loop spends six instructions (widen, convert, FMA per 16),
+ * which kept a bf16 step of one sequence under the memory bandwidth (Zen 4: ~21 of 30 GB/s); on 2
+ * AVX2 cores the float loop read 22-28 GMAC/s at one row and 30-54 at 2 to 64 rows, this one 36-39
+ * and 50-62 (`gemv_w8_f32` before and after, the same matrices). The integer sums are the same on
+ * every ISA path, so every build gives the same y to the bit.
  * Overflow: |q| <= 127 and |xq| <= 32,640, so a lane's sum of K/8 products stays under 2^31
  * for K-chunks of up to W8I_KC = 4,096 columns; longer rows add the chunks in int64. */
 #define W8I_KC 4096
 #define W8I_MG 4       /* rows of x per pass over a block (the AVX-512 path: 4 x 4 accumulators) */
-static void quant_rows_i16(const uint16_t *x, int64_t M, int64_t K, int64_t Kp, int16_t *xq, double *xs) {
+/* rows of x (bf16 when xb, else float32 xf) to int16 * 2^-s; a row of zeros has xs 0, a row with an
+ * inf or NaN has xs NaN (and zeros), so its outputs come out NaN as a float sum's would */
+static void quant_rows_i16(const uint16_t *xb, const float *xf, int64_t M, int64_t K, int64_t Kp, int16_t *xq,
+                           double *xs) {
     for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xm = x + m * K;
         int16_t *qm = xq + m * Kp;
-        uint16_t amax = 0;
+        uint32_t top = 0;      /* the largest |x|'s bits (in this order; inf and NaN above every finite value) */
         for (int64_t k = 0; k < K; k++) {
-            const uint16_t a = xm[k] & 0x7fff;
-            amax = a > amax ? a : amax;
+            uint32_t u;
+            if (xb) u = (uint32_t)xb[m * K + k] << 16;
+            else memcpy(&u, xf + m * K + k, sizeof u);
+            u &= 0x7fffffffu;
+            top = u > top ? u : top;
+        }
+        float amax;
+        memcpy(&amax, &top, sizeof amax);
+        if (top >= 0x7f800000u) {         /* inf or NaN: bits, which -ffast-math cannot assume away */
+            xs[m] = NAN;
+            for (int64_t k = 0; k < Kp; k++) qm[k] = 0;
+            continue;
         }
         int e = 0;
-        if (amax) frexpf(bf16_to_f32(amax), &e);     /* max|x| < 2^e */
-        const double mul = amax ? ldexp(1.0, 15 - e) : 0.0;       /* double: 2^(15-e) may pass float's range */
-        xs[m] = amax ? ldexp(1.0, e - 15) : 0.0;
-        for (int64_t k = 0; k < K; k++) qm[k] = (int16_t)lrint((double)bf16_to_f32(xm[k]) * mul);
+        if (amax > 0.f) frexpf(amax, &e);     /* max|x| < 2^e */
+        const double mul = amax > 0.f ? ldexp(1.0, 15 - e) : 0.0;       /* double: 2^(15-e) may pass float's range */
+        xs[m] = amax > 0.f ? ldexp(1.0, e - 15) : 0.0;
+        for (int64_t k = 0; k < K; k++)
+            qm[k] = (int16_t)lrint((double)(xb ? bf16_to_f32(xb[m * K + k]) : xf[m * K + k]) * mul);
         for (int64_t k = K; k < Kp; k++) qm[k] = 0;
     }
 }
@@ -1241,26 +1186,52 @@ static inline __attribute__((always_inline)) void w8i_block(const int8_t *base, 
 }
 #define W8I_PATH "avx512-vnni"
 #elif defined(__AVX2__)
+static inline void w8i_reduce8(__m256i a, int64_t *sum) {     /* one row's 8 int32 lanes into its int64 sum */
+    const __m256i w = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a)),
+                                       _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a, 1)));
+    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    *sum += _mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1);
+}
+/* more rows of x go in pairs, the block's rows in halves of 4: each widened weight vector serves both
+ * rows of x (8 accumulators + 2 x + 1 w of the 16 ymm registers); an odd last row pairs with itself */
 static inline void w8i_block(const int8_t *base, const int16_t *const *xr, int mg, int64_t c0, int64_t c1,
                              int64_t *sums) {
-    for (int i = 0; i < mg; i++) {
+    if (mg == 1) {           /* one row of x: the whole block's 8 rows in one pass, 8 accumulators */
         __m256i acc[W8_ROWS];
         for (int j = 0; j < W8_ROWS; j++) acc[j] = _mm256_setzero_si256();
         for (int64_t c = c0; c < c1; c += W8_COLS) {
             const int8_t *p = base + c * W8_ROWS;
             __builtin_prefetch(p + W8_PREFETCH);
             __builtin_prefetch(p + W8_PREFETCH + 64);
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr[i] + c));
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr[0] + c));
             for (int j = 0; j < W8_ROWS; j++)
                 acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(
                     _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + W8_COLS * j))), xv));
         }
-        for (int j = 0; j < W8_ROWS; j++) {
-            int32_t l[8];
-            _mm256_storeu_si256((__m256i *)l, acc[j]);
-            int64_t s = 0;
-            for (int t = 0; t < 8; t++) s += l[t];
-            sums[i * 8 + j] += s;
+        for (int j = 0; j < W8_ROWS; j++) w8i_reduce8(acc[j], sums + j);
+        return;
+    }
+    for (int i = 0; i < mg; i += 2) {
+        const int two = i + 1 < mg;
+        const int16_t *x0 = xr[i], *x1 = xr[two ? i + 1 : i];
+        for (int half = 0; half < 2; half++) {
+            __m256i a0[4], a1[4];
+            for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm256_setzero_si256();
+            for (int64_t c = c0; c < c1; c += W8_COLS) {
+                const int8_t *p = base + c * W8_ROWS + half * 4 * W8_COLS;
+                __builtin_prefetch(p + W8_PREFETCH);
+                const __m256i xv0 = _mm256_loadu_si256((const __m256i *)(x0 + c));
+                const __m256i xv1 = _mm256_loadu_si256((const __m256i *)(x1 + c));
+                for (int j = 0; j < 4; j++) {
+                    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + W8_COLS * j)));
+                    a0[j] = _mm256_add_epi32(a0[j], _mm256_madd_epi16(w, xv0));
+                    a1[j] = _mm256_add_epi32(a1[j], _mm256_madd_epi16(w, xv1));
+                }
+            }
+            for (int j = 0; j < 4; j++) {
+                w8i_reduce8(a0[j], sums + i * 8 + half * 4 + j);
+                if (two) w8i_reduce8(a1[j], sums + (i + 1) * 8 + half * 4 + j);
+            }
         }
     }
 }
@@ -1280,8 +1251,8 @@ static void w8i_block(const int8_t *base, const int16_t *const *xr, int mg, int6
 
 const char *gemv_w8_bf16_path(void) { return W8I_PATH; }
 
-int gemv_w8_bf16(const uint16_t *x, const int8_t *q, const float *scale, const float *b, float *y, int64_t M,
-                 int64_t N, int64_t Kp, int num_threads) {
+static int gemv_w8_i16(const uint16_t *xb, const float *xf, const int8_t *q, const float *scale, const float *b,
+                       float *y, int64_t M, int64_t N, int64_t Kp, int num_threads) {
     if (M < 1 || N < 1 || Kp < W8_COLS || Kp % W8_COLS) return -1;
     int16_t *xq = malloc((size_t)(M * Kp) * sizeof *xq);
     double *xs = malloc((size_t)M * sizeof *xs);
@@ -1290,7 +1261,7 @@ int gemv_w8_bf16(const uint16_t *x, const int8_t *q, const float *scale, const f
         free(xs);
         return -2;
     }
-    quant_rows_i16(x, M, Kp, Kp, xq, xs);
+    quant_rows_i16(xb, xf, M, Kp, Kp, xq, xs);
     const int64_t nb = (N + W8_ROWS - 1) / W8_ROWS;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t blk = 0; blk < nb; blk++) {
@@ -1316,6 +1287,16 @@ int gemv_w8_bf16(const uint16_t *x, const int8_t *q, const float *scale, const f
     free(xq);
     free(xs);
     return 0;
+}
+
+int gemv_w8_bf16(const uint16_t *x, const int8_t *q, const float *scale, const float *b, float *y, int64_t M,
+                 int64_t N, int64_t Kp, int num_threads) {
+    return gemv_w8_i16(x, NULL, q, scale, b, y, M, N, Kp, num_threads);
+}
+
+int gemv_w8_f32(const float *x, const int8_t *q, const float *scale, const float *b, float *y, int64_t M,
+                 int64_t N, int64_t Kp, int num_threads) {
+    return gemv_w8_i16(NULL, x, q, scale, b, y, M, N, Kp, num_threads);
 }
 
 /* ---------------------------------------------------------------- one decode step, all layers
