@@ -1,8 +1,9 @@
 /* CPU kernels: paged decode attention, encoder attention over packed sequences, the encoder's
  * residual add + LayerNorm in one pass, the decoder's glue (RMSNorm, RoPE + K/V store,
- * SiLU * up), a small-batch linear (gemv_f32), its weight-only int8 twin (gemv_w8_f32) and a whole
- * decode step's layers in one call (decode_forward_f32; decode_forward_bf16 with int8 weights), in
- * that order; and, where the compiler targets AMX-BF16, the encoder's bf16 attention as tile products
+ * SiLU * up), a small-batch linear (gemv_f32), its weight-only int8 twins (gemv_w8_f32 and
+ * gemv_w8_bf16: int16 activations, integer sums) and a whole decode step's layers in one call
+ * (decode_forward_f32; decode_forward_bf16 with int8 weights), in that order; and, where the
+ * compiler targets AMX-BF16, the encoder's bf16 attention as tile products
  * (varlen_attention_bf16_amx). Vectors are of the machine's width (VW floats: 16 with AVX-512, 8 otherwise); GCC's
  * generic 16-float vectors on an AVX2-only CPU went through the stack.
  *

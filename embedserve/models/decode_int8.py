@@ -1,17 +1,18 @@
 """Weight-only int8 for the decoder (`serve --decode-weights int8`, or `auto` behind the accuracy
 gate of `int8_gate`): each linear's weight as int8 per output channel, the activations staying
-in the model's dtype (float32, or bfloat16 where that is fast), the products summed in float32.
+in the model's dtype (float32, or bfloat16 where that is fast) between the linears.
 
 Why: a decode step of a few sequences reads every weight once and does little else with it, so
 its time is the weight bytes over the memory bandwidth; int8 weights are a quarter of fp32's
 bytes (half of bf16's). SmolLM2-135M's 30 layers and tied head read 538 MB per fp32 step and
 135 MB in int8. The kernel (`kernels.cpu_attention.gemv_w8`, blocked layout: see
-cpu_paged_attention.c) converts each weight to float in registers and FMAs it against the
-float activations; at one row it streams the 49,152 x 576 head in 2.7 ms where the fp32 GEMV
-takes 12.1 ms (2-core AVX2 EPYC, 2 threads). Prompt chunks of hundreds of rows go through the
-same kernel (one float tile per block and K-chunk, reused for every row): 1.2-1.6x slower there
-than oneDNN's packed fp32 matmul, the price of not keeping an fp32 copy.
-
+cpu_paged_attention.c) scales each row of activations by a power of two into int16 (every value
+to within 2^-16 of the row's largest; a bf16 row's top 8 binades exactly) and sums the int8 x
+int16 products exactly in integers (AVX512-VNNI vpdpwssd or AVX2 vpmaddwd), then applies the
+row's and the channel's scales: one widening load and one dot instruction per 16-32 weights,
+where converting each weight to float and FMAing it kept the step under the memory bandwidth.
+Prompt chunks of hundreds of rows go through the same kernel (each block's weights stay in L1
+while every row of x passes), so no fp32 copy of the weights is kept.
 Quantization: symmetric per output channel, scale = max |w_row| / 127, q = round(w / scale);
 no calibration data (so every text the gate reads is held out). The embedding lookup keeps the
 table in the model's dtype; a tied head quantizes its own copy.
