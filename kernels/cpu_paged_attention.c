@@ -1125,7 +1125,7 @@ int w8_layout(void) { return W8_ROWS * 100 + W8_COLS; }     /* what pack_w8 chec
  * AVX2 cores the float loop read 22-28 GMAC/s at one row and 30-54 at 2 to 64 rows, this one 36-39
  * and 50-62 (`gemv_w8_f32` before and after, the same matrices). The integer sums are the same on
  * every ISA path, so every build gives the same y to the bit.
- * Overflow: |q| <= 127 and |xq| <= 32,640, so a lane's sum of K/8 products stays under 2^31
+ * Overflow: |q| <= 127 and |xq| <= 32,767, so a lane's sum of K/8 products stays under 2^31
  * for K-chunks of up to W8I_KC = 4,096 columns; longer rows add the chunks in int64. */
 #define W8I_KC 4096
 #define W8I_MG 4       /* rows of x per pass over a block (the AVX-512 path: 4 x 4 accumulators) */
@@ -1154,8 +1154,10 @@ static void quant_rows_i16(const uint16_t *xb, const float *xf, int64_t M, int64
         if (amax > 0.f) frexpf(amax, &e);     /* max|x| < 2^e */
         const double mul = amax > 0.f ? ldexp(1.0, 15 - e) : 0.0;       /* double: 2^(15-e) may pass float's range */
         xs[m] = amax > 0.f ? ldexp(1.0, e - 15) : 0.0;
-        for (int64_t k = 0; k < K; k++)
-            qm[k] = (int16_t)lrint((double)(xb ? bf16_to_f32(xb[m * K + k]) : xf[m * K + k]) * mul);
+        for (int64_t k = 0; k < K; k++) {       /* a float32 just under 2^e would round to 2^15: held at 2^15 - 1 */
+            const long v = lrint((double)(xb ? bf16_to_f32(xb[m * K + k]) : xf[m * K + k]) * mul);
+            qm[k] = (int16_t)(v > 32767 ? 32767 : v < -32767 ? -32767 : v);
+        }
         for (int64_t k = K; k < Kp; k++) qm[k] = 0;
     }
 }
