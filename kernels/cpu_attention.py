@@ -333,7 +333,7 @@ def gemv_w8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: to
             ) -> torch.Tensor:
     """Weight-only int8: `F.linear(x, q * scale[:, None], bias)` for x (M, K) float32 or bfloat16
     (returned in x's dtype), `packed` = pack_w8(q) of the int8 (N, K) q, scale (N,) float32. Each
-    row is scaled by a power of two into int16 (every value to within 2^-16 of the row's largest |x|;
+    row is scaled by a power of two into int16 (every value to within 2^-15 of the row's largest |x|;
     bf16 values within 2^7 of it exactly) and the int8 x int16 products summed exactly in integers
     (gemv_w8_f32 / gemv_w8_bf16, cpu_paged_attention.c). Any M: a block's weights are read once per
     call whatever the rows."""

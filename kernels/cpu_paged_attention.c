@@ -1115,16 +1115,17 @@ int w8_layout(void) { return W8_ROWS * 100 + W8_COLS; }     /* what pack_w8 chec
 
 /* The arithmetic, in integers: each row of x is scaled by a power of two 2^s (s from its largest
  * |x|: every |x| * 2^s < 2^15) and rounded to int16, so every value within 2^7 of the row's largest
- * (its top 8 binades) keeps bf16's precision or better and every value's error is at most 2^-16 of
- * the row's largest (summed over a row: a 2^-16 sqrt(K) fraction of x's norm at most, far under
+ * (its top 8 binades) keeps bf16's precision or better and every value's error is at most 2^-15 of
+ * the row's largest (half a step of 2^(e-15), max < 2^e; 2^-14 for a float32 just under 2^e, held at
+ * 2^15 - 1; summed over a row: a ~2^-15 sqrt(K) fraction of x's norm at most, far under
  * the int8 weights' own error); the int8 x int16 products are then summed exactly in int32
  * (AVX512-VNNI vpdpwssd, 32 weights per instruction, or AVX2 vpmaddwd, 16) and
  * y = (float)(sum * scale[n] * 2^-s, in double) + b. Per 32 weights that is one sign-extending
  * load and one dot product where a float loop spends six instructions (widen, convert, FMA per 16),
- * which kept a bf16 step of one sequence under the memory bandwidth (Zen 4: ~21 of 30 GB/s); on 2
- * AVX2 cores the float loop read 22-28 GMAC/s at one row and 30-54 at 2 to 64 rows, this one 36-39
- * and 50-62 (`gemv_w8_f32` before and after, the same matrices). The integer sums are the same on
- * every ISA path, so every build gives the same y to the bit.
+ * which kept a bf16 step of one sequence under the memory bandwidth (Zen 4: ~21 of 30 GB/s). On 2
+ * AVX2 cores against that float loop (CHANGELOG): 1.05x at one row over the layers' weights (both
+ * ~25 GB/s, memory-bound), 1.45-1.69x on the cache-resident head, 1.1-2.0x at 2 to 107 rows. The
+ * integer sums are the same on every ISA path, so every build gives the same y to the bit.
  * Overflow: |q| <= 127 and |xq| <= 32,767, so a lane's sum of K/8 products stays under 2^31
  * for K-chunks of up to W8I_KC = 4,096 columns; longer rows add the chunks in int64. */
 #define W8I_KC 4096

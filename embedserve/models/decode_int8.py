@@ -7,7 +7,7 @@ its time is the weight bytes over the memory bandwidth; int8 weights are a quart
 bytes (half of bf16's). SmolLM2-135M's 30 layers and tied head read 538 MB per fp32 step and
 135 MB in int8. The kernel (`kernels.cpu_attention.gemv_w8`, blocked layout: see
 cpu_paged_attention.c) scales each row of activations by a power of two into int16 (every value
-to within 2^-16 of the row's largest; a bf16 row's top 8 binades exactly) and sums the int8 x
+to within 2^-15 of the row's largest; a bf16 row's top 8 binades exactly) and sums the int8 x
 int16 products exactly in integers (AVX512-VNNI vpdpwssd or AVX2 vpmaddwd), then applies the
 row's and the channel's scales: one widening load and one dot instruction per 16-32 weights,
 where converting each weight to float and FMAing it kept the step under the memory bandwidth.
