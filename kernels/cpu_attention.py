@@ -89,7 +89,6 @@ def load_library(mode: str = "auto", source: Path = SOURCE) -> tuple[ctypes.CDLL
     lib.gemv_f32.argtypes, lib.gemv_f32.restype = _GEMV_ARGS, ctypes.c_int
     lib.gemv_w8_f32.argtypes, lib.gemv_w8_f32.restype = _GEMV_W8_ARGS, ctypes.c_int
     lib.gemv_w8_bf16.argtypes, lib.gemv_w8_bf16.restype = _GEMV_W8_ARGS, ctypes.c_int
-    lib.gemv_w8_bf16_path.argtypes, lib.gemv_w8_bf16_path.restype = [], ctypes.c_char_p
     if lib.w8_layout() != W8_ROWS * 100 + W8_COLS:
         return None, f"{SOURCE.name}'s int8 layout is not the one pack_w8 packs"
     return lib, None

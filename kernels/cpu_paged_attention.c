@@ -1106,6 +1106,10 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const float *b, float *y, in
  * streams. The scale is applied once per output, after the sum. */
 #define W8_ROWS 8
 #define W8_COLS 16
+/* software prefetch this many bytes ahead of the block being read: the hardware prefetchers
+ * alone left a one-row loop at ~11.5 GB/s on 2 AVX2 EPYC cores, against ~16 for a plain fp32
+ * read; 1,536 bytes (12 column blocks) ahead measured +12 % and +25 % in two interleaved runs
+ * (384 to 2,048 bytes all helped). Past the last block it reads ahead harmlessly (no fault). */
 #define W8_PREFETCH 1536
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -1130,12 +1134,11 @@ int w8_layout(void) { return W8_ROWS * 100 + W8_COLS; }     /* what pack_w8 chec
  * for K-chunks of up to W8I_KC = 4,096 columns; longer rows add the chunks in int64. */
 #define W8I_KC 4096
 #define W8I_MG 4       /* rows of x per pass over a block (the AVX-512 path: 4 x 4 accumulators) */
-/* rows of x (bf16 when xb, else float32 xf) to int16 * 2^-s; a row of zeros has xs 0, a row with an
- * inf or NaN has xs NaN (and zeros), so its outputs come out NaN as a float sum's would */
-static void quant_rows_i16(const uint16_t *xb, const float *xf, int64_t M, int64_t K, int64_t Kp, int16_t *xq,
-                           double *xs) {
+/* rows of x (M x K, bf16 when xb, else float32 xf) to int16 * 2^-s; a row of zeros has xs 0, a row
+ * with an inf or NaN has xs NaN (and zeros), so its outputs come out NaN as a float sum's would */
+static void quant_rows_i16(const uint16_t *xb, const float *xf, int64_t M, int64_t K, int16_t *xq, double *xs) {
     for (int64_t m = 0; m < M; m++) {
-        int16_t *qm = xq + m * Kp;
+        int16_t *qm = xq + m * K;
         uint32_t top = 0;      /* the largest |x|'s bits (in this order; inf and NaN above every finite value) */
         for (int64_t k = 0; k < K; k++) {
             uint32_t u;
@@ -1148,7 +1151,7 @@ static void quant_rows_i16(const uint16_t *xb, const float *xf, int64_t M, int64
         memcpy(&amax, &top, sizeof amax);
         if (top >= 0x7f800000u) {         /* inf or NaN: bits, which -ffast-math cannot assume away */
             xs[m] = NAN;
-            for (int64_t k = 0; k < Kp; k++) qm[k] = 0;
+            for (int64_t k = 0; k < K; k++) qm[k] = 0;
             continue;
         }
         int e = 0;
@@ -1159,7 +1162,6 @@ static void quant_rows_i16(const uint16_t *xb, const float *xf, int64_t M, int64
             const long v = lrint((double)(xb ? bf16_to_f32(xb[m * K + k]) : xf[m * K + k]) * mul);
             qm[k] = (int16_t)(v > 32767 ? 32767 : v < -32767 ? -32767 : v);
         }
-        for (int64_t k = K; k < Kp; k++) qm[k] = 0;
     }
 }
 
@@ -1188,7 +1190,6 @@ static inline __attribute__((always_inline)) void w8i_block(const int8_t *base, 
             sums[i * 8 + 2 * j + 1] += _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc[i][j], 1)));
         }
 }
-#define W8I_PATH "avx512-vnni"
 #elif defined(__AVX2__)
 static inline void w8i_reduce8(__m256i a, int64_t *sum) {     /* one row's 8 int32 lanes into its int64 sum */
     const __m256i w = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a)),
@@ -1239,7 +1240,6 @@ static inline void w8i_block(const int8_t *base, const int16_t *const *xr, int m
         }
     }
 }
-#define W8I_PATH "avx2"
 #else
 static void w8i_block(const int8_t *base, const int16_t *const *xr, int mg, int64_t c0, int64_t c1, int64_t *sums) {
     for (int i = 0; i < mg; i++)
@@ -1250,10 +1250,7 @@ static void w8i_block(const int8_t *base, const int16_t *const *xr, int mg, int6
             sums[i * 8 + j] += s;
         }
 }
-#define W8I_PATH "generic"
 #endif
-
-const char *gemv_w8_bf16_path(void) { return W8I_PATH; }
 
 static int gemv_w8_i16(const uint16_t *xb, const float *xf, const int8_t *q, const float *scale, const float *b,
                        float *y, int64_t M, int64_t N, int64_t Kp, int num_threads) {
@@ -1265,7 +1262,7 @@ static int gemv_w8_i16(const uint16_t *xb, const float *xf, const int8_t *q, con
         free(xs);
         return -2;
     }
-    quant_rows_i16(xb, xf, M, Kp, Kp, xq, xs);
+    quant_rows_i16(xb, xf, M, Kp, xq, xs);
     const int64_t nb = (N + W8_ROWS - 1) / W8_ROWS;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t blk = 0; blk < nb; blk++) {

@@ -13,6 +13,7 @@ row's and the channel's scales: one widening load and one dot instruction per 16
 where converting each weight to float and FMAing it kept the step under the memory bandwidth.
 Prompt chunks of hundreds of rows go through the same kernel (each block's weights stay in L1
 while every row of x passes), so no fp32 copy of the weights is kept.
+
 Quantization: symmetric per output channel, scale = max |w_row| / 127, q = round(w / scale);
 no calibration data (so every text the gate reads is held out). The embedding lookup keeps the
 table in the model's dtype; a tied head quantizes its own copy.
