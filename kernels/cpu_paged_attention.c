@@ -1134,34 +1134,78 @@ int w8_layout(void) { return W8_ROWS * 100 + W8_COLS; }     /* what pack_w8 chec
  * for K-chunks of up to W8I_KC = 4,096 columns; longer rows add the chunks in int64. */
 #define W8I_KC 4096
 #define W8I_MG 4       /* rows of x per pass over a block (the AVX-512 path: 4 x 4 accumulators) */
-/* rows of x (M x K, bf16 when xb, else float32 xf) to int16 * 2^-s; a row of zeros has xs 0, a row
- * with an inf or NaN has xs NaN (and zeros), so its outputs come out NaN as a float sum's would */
-static void quant_rows_i16(const uint16_t *xb, const float *xf, int64_t M, int64_t K, int16_t *xq, double *xs) {
-    for (int64_t m = 0; m < M; m++) {
-        int16_t *qm = xq + m * K;
-        uint32_t top = 0;      /* the largest |x|'s bits (in this order; inf and NaN above every finite value) */
-        for (int64_t k = 0; k < K; k++) {
-            uint32_t u;
-            if (xb) u = (uint32_t)xb[m * K + k] << 16;
-            else memcpy(&u, xf + m * K + k, sizeof u);
-            u &= 0x7fffffffu;
-            top = u > top ? u : top;
+/* one row of x (K values, bf16 when xb, else float32 xf) to int16 * 2^-s, s from its largest |x|;
+ * a row of zeros has xs 0, a row with an inf or NaN has xs NaN (and zeros), so its outputs come out
+ * NaN as a float sum's would. Vectorized on AVX2 (AVX-512 builds too): the largest |x| as an
+ * unsigned max of the values' bits, then x * 2^(15-e) in float32 (a power of two: exact while the
+ * product is normal) rounded to nearest-even by cvtps, the same integers as the scalar lrint in
+ * double; rows whose largest |x| is under 2^-100 (the scale past ~2^115, where a subnormal x could
+ * round to 1 and flush-to-zero would matter) keep the scalar loop. */
+static void quant_row_i16(const uint16_t *xb, const float *xf, int64_t K, int16_t *qm, double *xs) {
+    uint32_t top = 0;          /* the largest |x|'s bits (in this order; inf and NaN above every finite value) */
+    int64_t k = 0;
+#if defined(__AVX2__)
+    if (xb) {
+        __m256i mx = _mm256_setzero_si256();
+        for (; k + 16 <= K; k += 16)
+            mx = _mm256_max_epu16(mx, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xb + k)),
+                                                       _mm256_set1_epi16(0x7fff)));
+        uint16_t lanes[16];
+        _mm256_storeu_si256((__m256i *)lanes, mx);
+        for (int i = 0; i < 16; i++) top = (uint32_t)lanes[i] << 16 > top ? (uint32_t)lanes[i] << 16 : top;
+    } else {
+        __m256i mx = _mm256_setzero_si256();
+        for (; k + 8 <= K; k += 8)
+            mx = _mm256_max_epu32(mx, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xf + k)),
+                                                       _mm256_set1_epi32(0x7fffffff)));
+        uint32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, mx);
+        for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    }
+#endif
+    for (; k < K; k++) {
+        uint32_t u;
+        if (xb) u = (uint32_t)xb[k] << 16;
+        else memcpy(&u, xf + k, sizeof u);
+        u &= 0x7fffffffu;
+        top = u > top ? u : top;
+    }
+    float amax;
+    memcpy(&amax, &top, sizeof amax);
+    if (top >= 0x7f800000u) {         /* inf or NaN: bits, which -ffast-math cannot assume away */
+        *xs = NAN;
+        for (k = 0; k < K; k++) qm[k] = 0;
+        return;
+    }
+    int e = 0;
+    if (amax > 0.f) frexpf(amax, &e);     /* max|x| < 2^e */
+    const double mul = amax > 0.f ? ldexp(1.0, 15 - e) : 0.0;       /* double: 2^(15-e) may pass float's range */
+    *xs = amax > 0.f ? ldexp(1.0, e - 15) : 0.0;
+    k = 0;
+#if defined(__AVX2__)
+    if (e >= -100) {
+        const __m256 mv = _mm256_set1_ps((float)mul);
+        const __m256i lo = _mm256_set1_epi16(-32767);
+        for (; k + 16 <= K; k += 16) {
+            __m256 a, b;
+            if (xb) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(xb + k));
+                a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+                b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+            } else {
+                a = _mm256_loadu_ps(xf + k);
+                b = _mm256_loadu_ps(xf + k + 8);
+            }
+            /* packs saturates 2^15 (a float32 just under 2^e rounds to it) to 2^15 - 1; -2^15 held at -(2^15 - 1) */
+            const __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, mv)),
+                                                 _mm256_cvtps_epi32(_mm256_mul_ps(b, mv)));
+            _mm256_storeu_si256((__m256i *)(qm + k), _mm256_max_epi16(_mm256_permute4x64_epi64(p, 0xD8), lo));
         }
-        float amax;
-        memcpy(&amax, &top, sizeof amax);
-        if (top >= 0x7f800000u) {         /* inf or NaN: bits, which -ffast-math cannot assume away */
-            xs[m] = NAN;
-            for (int64_t k = 0; k < K; k++) qm[k] = 0;
-            continue;
-        }
-        int e = 0;
-        if (amax > 0.f) frexpf(amax, &e);     /* max|x| < 2^e */
-        const double mul = amax > 0.f ? ldexp(1.0, 15 - e) : 0.0;       /* double: 2^(15-e) may pass float's range */
-        xs[m] = amax > 0.f ? ldexp(1.0, e - 15) : 0.0;
-        for (int64_t k = 0; k < K; k++) {       /* a float32 just under 2^e would round to 2^15: held at 2^15 - 1 */
-            const long v = lrint((double)(xb ? bf16_to_f32(xb[m * K + k]) : xf[m * K + k]) * mul);
-            qm[k] = (int16_t)(v > 32767 ? 32767 : v < -32767 ? -32767 : v);
-        }
+    }
+#endif
+    for (; k < K; k++) {       /* a float32 just under 2^e would round to 2^15: held at 2^15 - 1 */
+        const long v = lrint((double)(xb ? bf16_to_f32(xb[k]) : xf[k]) * mul);
+        qm[k] = (int16_t)(v > 32767 ? 32767 : v < -32767 ? -32767 : v);
     }
 }
 
@@ -1262,27 +1306,32 @@ static int gemv_w8_i16(const uint16_t *xb, const float *xf, const int8_t *q, con
         free(xs);
         return -2;
     }
-    quant_rows_i16(xb, xf, M, Kp, xq, xs);
     const int64_t nb = (N + W8_ROWS - 1) / W8_ROWS;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t blk = 0; blk < nb; blk++) {
-        const int64_t n0 = blk * W8_ROWS, rows = N - n0 >= W8_ROWS ? W8_ROWS : N - n0;
-        const int8_t *base = q + blk * W8_ROWS * Kp;
-        for (int64_t m0 = 0; m0 < M; m0 += W8I_MG) {
-            const int mg = M - m0 < W8I_MG ? (int)(M - m0) : W8I_MG;
-            const int16_t *xr[W8I_MG];
-            int64_t sums[W8I_MG * 8] = {0};
-            for (int i = 0; i < W8I_MG; i++) xr[i] = xq + (m0 + (i < mg ? i : 0)) * Kp;
-            for (int64_t c0 = 0; c0 < Kp; c0 += W8I_KC) {
-                const int64_t c1 = Kp - c0 < W8I_KC ? Kp : c0 + W8I_KC;
-                if (mg == 1) w8i_block(base, xr, 1, c0, c1, sums);   /* one row: its own, unrolled copy */
-                else w8i_block(base, xr, mg, c0, c1, sums);
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        _Pragma("omp for schedule(static)")      /* the rows to int16 split between the threads too */
+        for (int64_t m = 0; m < M; m++)
+            quant_row_i16(xb ? xb + m * Kp : NULL, xb ? NULL : xf + m * Kp, Kp, xq + m * Kp, xs + m);
+        _Pragma("omp for schedule(static)")
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const int64_t n0 = blk * W8_ROWS, rows = N - n0 >= W8_ROWS ? W8_ROWS : N - n0;
+            const int8_t *base = q + blk * W8_ROWS * Kp;
+            for (int64_t m0 = 0; m0 < M; m0 += W8I_MG) {
+                const int mg = M - m0 < W8I_MG ? (int)(M - m0) : W8I_MG;
+                const int16_t *xr[W8I_MG];
+                int64_t sums[W8I_MG * 8] = {0};
+                for (int i = 0; i < W8I_MG; i++) xr[i] = xq + (m0 + (i < mg ? i : 0)) * Kp;
+                for (int64_t c0 = 0; c0 < Kp; c0 += W8I_KC) {
+                    const int64_t c1 = Kp - c0 < W8I_KC ? Kp : c0 + W8I_KC;
+                    if (mg == 1) w8i_block(base, xr, 1, c0, c1, sums);   /* one row: its own, unrolled copy */
+                    else w8i_block(base, xr, mg, c0, c1, sums);
+                }
+                /* in double, one rounding whatever order -ffast-math picks (xs is a power of two) */
+                for (int i = 0; i < mg; i++)
+                    for (int64_t j = 0; j < rows; j++)
+                        y[(m0 + i) * N + n0 + j] = (float)((double)sums[i * 8 + j] * scale[n0 + j] * xs[m0 + i])
+                                                   + (b ? b[n0 + j] : 0.f);
             }
-            /* in double, one rounding whatever order -ffast-math picks (xs is a power of two) */
-            for (int i = 0; i < mg; i++)
-                for (int64_t j = 0; j < rows; j++)
-                    y[(m0 + i) * N + n0 + j] = (float)((double)sums[i * 8 + j] * scale[n0 + j] * xs[m0 + i])
-                                               + (b ? b[n0 + j] : 0.f);
         }
     }
     free(xq);

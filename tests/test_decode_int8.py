@@ -57,7 +57,8 @@ def _int16_rows_reference(x, q, scale, bias):
 def test_gemv_w8_sums_the_int16_rows_exactly(dtype, rows, n, k):
     """Rows go through int16 and integer sums: the result is that arithmetic's to the bit (every
     ISA path of the kernel gives the same integers), and a row of zeros or one of tiny values
-    (2^-120: the power-of-two scale leaves float's range) still comes out right."""
+    (2^-120: the power-of-two scale leaves float's range; 2^-100 and 2^-101 with a subnormal value:
+    the vector loop's last row and the scalar loop's first) still comes out right."""
     _, q, scale = _quantized(n, k, seed=n * k)
     g = torch.Generator().manual_seed(rows + k)
     x = torch.randn(rows, k, generator=g)
@@ -67,13 +68,24 @@ def test_gemv_w8_sums_the_int16_rows_exactly(dtype, rows, n, k):
     if rows > 4:           # largest |x| just under a power of two: float32's rounds to 2^15, held at 2^15 - 1
         x[3] = x[3].clamp(-0.5, 0.5)
         x[3, k // 2] = 1.0 - 2.0 ** -24
+        x[3, k // 2 + 1] = -(1.0 - 2.0 ** -24)
+    for r, top in ((4, 2.0 ** -100), (5, 2.0 ** -101)):      # either side of the vector loop's limit
+        if rows > r:       # largest |x| 0.75 * top, and one subnormal value (1.2e-38 is float's least normal)
+            x[r] = x[r] / x[r].abs().max() * 0.75 * top
+            x[r, 1] = 3e-39
     x = x.to(dtype)
     bias = torch.randn(n, generator=g)
-    got = cpu_attention.gemv_w8(x, cpu_attention.pack_w8(q), scale, bias)
+    packed = cpu_attention.pack_w8(q)
+    got = cpu_attention.gemv_w8(x, packed, scale, bias)
     assert got.dtype == dtype and got.shape == (rows, n)
     assert torch.equal(got, _int16_rows_reference(x, q, scale, bias).to(dtype))
     if rows > 2:
         assert torch.equal(got[1], bias.to(dtype))
+    # without a bias, which would hide the tiny rows' outputs (~1e-30 and less) under its rounding
+    unbiased = cpu_attention.gemv_w8(x, packed, scale)
+    want = _int16_rows_reference(x, q, scale, None).to(dtype)
+    assert torch.equal(unbiased, want)
+    assert bool((want[rows // 2] != 0).any())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 600])
