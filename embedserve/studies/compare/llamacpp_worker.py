@@ -74,7 +74,8 @@ def one_run(llm, prompt: list[int], new_tokens: int) -> dict:
 
 
 def bench(gguf: str, prompt: list[int], new_tokens: int, runs: int, threads: int) -> dict:
-    llm = llama_cpp.Llama(model_path=gguf, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    n_ctx = max(512, -(-(len(prompt) + new_tokens) // 256) * 256)
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
     assert len(prompt) + new_tokens <= llm.n_ctx()
     one_run(llm, prompt, new_tokens)                                        # warm-up
     rs = [one_run(llm, prompt, new_tokens) for _ in range(runs)]
