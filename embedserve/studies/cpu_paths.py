@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+
+from . import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = ((2000, 384, 1152), (2000, 384, 1536), (2000, 1536, 384))      # MiniLM/e5: qkv, ffn up, ffn down
@@ -383,10 +384,7 @@ def main(argv=None) -> int:
     kind = "avx512" if "avx512f" in flags else "avx2"
     suffix = "" if not args.only else "-" + "-".join(chosen)
     out = Path(args.out) if args.out else RESULTS / f"cpu_paths-{kind}{suffix}.json"
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    md = markdown(res)
-    out.with_suffix(".md").write_text(md + "\n")
-    print(md)
+    write_results(out, res, markdown(res))
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

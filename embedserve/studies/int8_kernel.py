@@ -17,7 +17,6 @@ Writes results/int8_kernel-<avx2|avx512>.{json,md} (`--out` to choose)."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from . import write_results
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {"q/o": (576, 576), "k/v": (576, 192), "gate/up": (576, 1536), "down": (1536, 576), "head": (576, 49152)}
@@ -117,9 +118,7 @@ def main(argv=None) -> int:
         ap.error("--rounds and --threads must be at least 1")
     res = study(args.against, args.rounds, args.threads)
     out = args.out or RESULTS / f"int8_kernel-{'avx512' if 'avx512f' in cpu_flags() else 'avx2'}.json"
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(res) + "\n")
-    print(markdown(res))
+    write_results(out, res, markdown(res))
     return 0
 
 

@@ -8,12 +8,13 @@ Writes results/row_buckets-<model>-<dtype>.{json,md}."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+
+from . import write_results
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -68,9 +69,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = row_buckets(args.model, args.dtype)
     out = RESULTS / f"row_buckets-{args.model}-{args.dtype}.json"
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(res) + "\n")
-    print(markdown(res))
+    write_results(out, res, markdown(res))
     return 0
 
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
+
+from . import write_results
 
 RESULTS = Path(__file__).parent / "results"
 PER_REQUEST, CLIENTS = 32, 8
@@ -132,9 +133,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = tokenize_bench(args.model, args.dtype, args.rounds)
     out = RESULTS / f"tokenize_bench-{args.model}-{args.dtype}.json"
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(res) + "\n")
-    print(markdown(res))
+    write_results(out, res, markdown(res))
     return 0
 
 
