@@ -20,14 +20,16 @@ def decode_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("block_size,nh,kvh", [(16, 8, 2), (32, 4, 4), (16, 9, 3)])
-def test_cpu_path_equals_reference(block_size, nh, kvh, decode_path):
+def test_cpu_path_equals_reference(block_size, nh, kvh, decode_path, monkeypatch):
     g = torch.Generator().manual_seed(block_size + nh)
     hd, num_blocks = 64, 64
     kc = torch.randn(num_blocks, block_size, kvh, hd, generator=g)
     vc = torch.randn(num_blocks, block_size, kvh, hd, generator=g)
     # (context length after this step, new tokens this step): decodes first, then chunks
-    # ... and one chunk past 256 tokens (SDPA with enable_gqa instead of folded query heads)
-    seqs = [(1, 1), (block_size * 2, 1), (77, 1), (50, 50), (block_size * 3, block_size), (90, 13), (300, 290)]
+    # ... and chunks past 256 tokens (SDPA with enable_gqa instead of folded query heads): one
+    # after a cached prefix (masked), one a whole prompt (SDPA's own causal path)
+    seqs = [(1, 1), (block_size * 2, 1), (77, 1), (50, 50), (block_size * 3, block_size), (90, 13), (300, 290),
+            (270, 270)]
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, slots, cu = [], [], [0]
     for n, ql in seqs:
@@ -47,7 +49,14 @@ def test_cpu_path_equals_reference(block_size, nh, kvh, decode_path):
     store_kv(k_new, v_new, kc, vc, meta.slot_mapping)
     reference.store_kv(k_new, v_new, kc2, vc2, meta.slot_mapping)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    sdpa, causal_calls = attention_dispatch.F.scaled_dot_product_attention, []
+
+    def counting(*args, **kwargs):
+        causal_calls.append(kwargs.get("is_causal", False))
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(attention_dispatch.F, "scaled_dot_product_attention", counting)
     ours = paged_attention(q, kc, vc, meta, hd ** -0.5)
+    assert causal_calls.count(True) == 1            # the whole 270-token prompt, and only it
     ref = reference.paged_prefill_attention(q, kc2, vc2, meta.block_tables, meta.cu_seqlens_q,
                                             meta.context_lens, hd ** -0.5)
     # fp32 both ways; different summation orders (SDPA vs einsum) -> ~1e-6

@@ -105,6 +105,22 @@ def test_greedy_equals_hf_generate(mode, smollm2, prompt_ids, reference):
         assert eng.scheduler.num_preemptions > 0 and all(s.finish_reason in ("stop", "length") for s in seqs)
 
 
+def test_a_long_prompt_in_one_chunk_equals_hf_generate(smollm2_dir, smollm2):
+    """A RAG-sized prompt (the system prompt and four passages, ~450 tokens) prefilled in one
+    chunk: past 256 rows with no cached prefix, SDPA's own causal path instead of a mask; the same
+    prompt in 64-token chunks (masked, after a prefix) too. Both equal HF greedy by the near-tie
+    rule."""
+    _, tok = smollm2
+    passages = " ".join(f"[{i}] " + "FAISS stores dense vectors and searches them by inner product. " * 6
+                        for i in range(1, 5))
+    ids = tok(SYSTEM + passages + " Question: what does FAISS store? Answer:").input_ids
+    assert len(ids) > 400
+    ref = _hf_greedy(smollm2_dir, tok, [ids], torch.float32, new_tokens=16)[0]
+    for chunk in (1024, 64):
+        seq = make_decode_engine(smollm2, max_num_batched_tokens=chunk).generate([ids], _greedy(16))[0]
+        assert _check(seq.completion_ids, *ref, f"long prompt, {chunk}-token chunks") in ("equal", "tie")
+
+
 def test_prefix_cache_hit_reuses_blocks_and_is_exact(smollm2, prompt_ids, reference):
     """The second request with the same long prefix computes only its tail, same tokens out."""
     eng = make_decode_engine(smollm2)
