@@ -268,6 +268,8 @@ static inline __attribute__((always_inline)) void VALUES(                       
 #define TOKEN_ROW(t) (((int64_t)table[(t) / block_size] * block_size + (t) % block_size) * row)
 /* chunks prefetched ahead: 1, 2 and 4 measured alike from memory (study paged_decode) */
 #define PF_DIST 2
+/* the fewest keys (of the longest sequence) for which the kernel splits them between threads */
+#define SPLIT_MIN_KEYS 256
 /* software prefetch of the K or V rows of keys c .. c + VW (those past n skipped) for KV heads
  * h0 .. h0 + nk: a row's part is nk hd contiguous elements */
 #define PREFETCH_CHUNK(CACHE, T, c)                                                                 \
@@ -280,97 +282,151 @@ static inline __attribute__((always_inline)) void VALUES(                       
  * chunk of VW at a time, and per chunk every KV head and every group of its query heads, so that
  * a block of the cache, each token's rows of all KV heads, is read whole and in order), the
  * softmax over each head's scores (one max, exp_vec, one sum: no rescaling), then the values in
- * the same order. K and V are read once, straight from the cache. `st`: per-thread state,
- * nk g (2 hd + Lp + 1) floats, Lp = n rounded up to VW. 64 SmolLM2 sequences at ~190 tokens, bf16,
+ * the same order. K and V are read once, straight from the cache. Keys t0 .. n: the whole
+ * context (t0 0, `part` NULL: the result normalized into `out`), or a split of it (`part`: per
+ * query head its unnormalized sums, then their max score and softmax sum, hd + 2 floats, for the
+ * caller to merge). `st`: per-thread state, nk g (2 hd + Lp + 2) floats, Lp = n - t0 rounded up
+ * to VW. 64 SmolLM2 sequences at ~190 tokens, bf16,
  * 2-core AMX Xeon: 0.81 ms a layer before (K and V widened into float32 scratch first, then per
  * query head a dot product per key with a horizontal sum in scalar adds). */
 #define DEFINE_ATTEND_HEADS(NAME, T, LOAD, STORE, SCORES, VALUES)                                    \
 static inline __attribute__((always_inline)) void NAME(                                             \
-        const T *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t n, T *out,    \
-        int64_t kvh, int64_t h0, int64_t nk, int64_t g, const int64_t hd, int64_t block_size,       \
-        float scale, float *st) {                                                                   \
-    const int64_t NH = nk * g, row = kvh * hd, Lp = (n + VW - 1) / VW * VW;                         \
+        const T *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t t0, int64_t n, \
+        T *out, float *part, int64_t kvh, int64_t h0, int64_t nk, int64_t g, const int64_t hd,       \
+        int64_t block_size, float scale, float *st) {                                               \
+    const int64_t NH = nk * g, row = kvh * hd, Lp = (n - t0 + VW - 1) / VW * VW;                    \
     float *qf = st, *acc = qf + NH * hd, *p = acc + NH * hd;                                        \
+    if (n <= t0) {                              /* an empty split: nothing to add */               \
+        for (int64_t j = 0; j < NH; j++) {                                                          \
+            memset(part + j * (hd + 2), 0, sizeof(float) * (size_t)(hd + 2));                       \
+            part[j * (hd + 2) + hd] = -FLT_MAX;                                                     \
+        }                                                                                           \
+        return;                                                                                     \
+    }                                                                                               \
     for (int64_t j = 0; j < NH; j++) {                                                              \
         LOAD(q + j * hd, qf + j * hd, hd);                                                          \
         memset(acc + j * hd, 0, sizeof(float) * (size_t)hd);                                        \
     }                                                                                               \
     int64_t rows[VW];                                                                               \
-    for (int64_t c = 0; c < PF_DIST * VW; c += VW) PREFETCH_CHUNK(k_cache, T, c)                    \
-    for (int64_t c = 0; c < n; c += VW) {                                                           \
+    for (int64_t c = t0; c < t0 + PF_DIST * VW; c += VW) PREFETCH_CHUNK(k_cache, T, c)              \
+    for (int64_t c = t0; c < n; c += VW) {                                                          \
         const int64_t cnt = n - c < VW ? n - c : VW;                                                \
         for (int64_t i = 0; i < cnt; i++) rows[i] = TOKEN_ROW(c + i);                              \
         PREFETCH_CHUNK(k_cache, T, c + PF_DIST * VW)                                                \
-        FOR_GROUPS(SCORES(k_cache, rows, cnt, hoff, jn, hd, scale, qf + j * hd, p + j * Lp + c, Lp)) \
+        FOR_GROUPS(SCORES(k_cache, rows, cnt, hoff, jn, hd, scale, qf + j * hd, p + j * Lp + c - t0, Lp)) \
     }                                                                                               \
-    float *z = p + NH * Lp;                                                                         \
-    for (int64_t c = 0; c < PF_DIST * VW; c += VW) PREFETCH_CHUNK(v_cache, T, c)                    \
+    float *z = p + NH * Lp, *mv = z + NH;                                                           \
+    for (int64_t c = t0; c < t0 + PF_DIST * VW; c += VW) PREFETCH_CHUNK(v_cache, T, c)              \
     for (int64_t j = 0; j < NH; j++) {                                                              \
         float *pj = p + j * Lp, m = -FLT_MAX, zs = 0.f;                                             \
-        for (int64_t t = 0; t < n; t++) m = pj[t] > m ? pj[t] : m;                                  \
-        for (int64_t t = n; t < Lp; t++) pj[t] = -FLT_MAX;                                          \
+        for (int64_t t = 0; t < n - t0; t++) m = pj[t] > m ? pj[t] : m;                             \
+        for (int64_t t = n - t0; t < Lp; t++) pj[t] = -FLT_MAX;                                     \
         for (int64_t c = 0; c < Lp; c += VW) {                                                      \
             const vec e = exp_vec(*(const vec *)(pj + c) - m);                                      \
             *(vec *)(pj + c) = e;                                                                   \
         }                                                                                           \
-        for (int64_t t = 0; t < n; t++) zs += pj[t];                                                \
+        for (int64_t t = 0; t < n - t0; t++) zs += pj[t];                                           \
         z[j] = zs;                                                                                  \
+        mv[j] = m;                                                                                  \
     }                                                                                               \
-    for (int64_t c = 0; c < n; c += VW) {                                                           \
+    for (int64_t c = t0; c < n; c += VW) {                                                          \
         const int64_t cnt = n - c < VW ? n - c : VW;                                                \
         for (int64_t i = 0; i < cnt; i++) rows[i] = TOKEN_ROW(c + i);                              \
         PREFETCH_CHUNK(v_cache, T, c + PF_DIST * VW)                                                \
-        FOR_GROUPS(VALUES(v_cache, rows, cnt, hoff, jn, hd, p + j * Lp + c, Lp, acc + j * hd))      \
+        FOR_GROUPS(VALUES(v_cache, rows, cnt, hoff, jn, hd, p + j * Lp + c - t0, Lp, acc + j * hd)) \
     }                                                                                               \
     for (int64_t j = 0; j < NH; j++) {                                                              \
+        if (part) {                  /* a split of the keys: unnormalized, with its max and sum */  \
+            memcpy(part + j * (hd + 2), acc + j * hd, sizeof(float) * (size_t)hd);                  \
+            part[j * (hd + 2) + hd] = mv[j];                                                        \
+            part[j * (hd + 2) + hd + 1] = z[j];                                                     \
+            continue;                                                                               \
+        }                                                                                           \
         const float inv = z[j] > 0.f ? 1.f / z[j] : 0.f;                                            \
         for (int64_t i = 0; i < hd; i++) acc[j * hd + i] *= inv;                                    \
         STORE(out + j * hd, acc + j * hd, hd);                                                      \
     }                                                                                               \
 }
 
-/* returns 0, or a negative code: -1 a shape past MAX_G / MAX_HD, -2 out of memory */
-#define DEFINE_KERNEL(NAME, ATTEND, ATTEND_HEADS, T)                                                 \
+/* returns 0, or a negative code: -1 a shape past MAX_G / MAX_HD, -2 out of memory.
+ * Tasks: a whole sequence (all its KV heads) where there are sequences enough for the threads,
+ * else one (sequence, KV head), so that one long sequence still uses them all; and where even
+ * those are fewer than twice the threads (one sequence of SmolLM2: 3 KV heads on 2 threads, one
+ * of which did two), each one's keys in 2 x threads splits of whole 16-key runs, merged after
+ * (flash-decoding: the splits' sums rescaled to the largest max). One sequence of 1,900 tokens,
+ * fp32, 2 AVX2 cores: BENCHMARKS.md ("RAG-sized prompt"). */
+#define DEFINE_KERNEL(NAME, ATTEND, ATTEND_HEADS, T, STORE)                                          \
 int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,               \
          int64_t bt_stride, const int32_t *context_lens, T *out, int64_t num_seqs, int64_t nh,       \
          int64_t kvh, int64_t hd, int64_t block_size, float scale, int num_threads) {                \
     const int64_t g = nh / kvh;                                                                     \
     if (g > MAX_G || hd > MAX_HD || g * kvh != nh) return -1;                                       \
     const int vec_path = hd >= 2 * VW && hd % (2 * VW) == 0;                                        \
-    /* a task: a whole sequence (all its KV heads) where there are sequences enough for the        \
-     * threads, else one (sequence, KV head) so that one long sequence still uses them all */      \
     const int64_t per = vec_path && num_seqs >= 2 * num_threads ? kvh : 1, tasks = kvh / per;       \
     int64_t max_n = 0;                                                                              \
     for (int64_t s = 0; s < num_seqs; s++) max_n = context_lens[s] > max_n ? context_lens[s] : max_n; \
+    int64_t S = vec_path && num_seqs * tasks < 2 * num_threads && max_n >= SPLIT_MIN_KEYS ? 2 * num_threads : 1; \
+    float *parts = S > 1 ? (float *)malloc(sizeof(float) * (size_t)(num_seqs * nh * S * (hd + 2))) : NULL; \
+    if (!parts) S = 1;                                                                              \
     const int64_t Lp = (max_n + VW - 1) / VW * VW;                                                  \
     int failed = 0;                                                                                 \
     _Pragma("omp parallel num_threads(num_threads)")                                                \
     {                                                                                               \
-        float *st = vec_path ? (float *)malloc(sizeof(float) * (size_t)((2 * hd + Lp + 1) * per * g)) : NULL; \
-        _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                         \
+        float *st = vec_path ? (float *)malloc(sizeof(float) * (size_t)((2 * hd + Lp + 2) * per * g)) : NULL; \
+        _Pragma("omp for collapse(3) schedule(dynamic, 1)")                                         \
         for (int64_t s = 0; s < num_seqs; s++) {                                                    \
             for (int64_t k = 0; k < tasks; k++) {                                                   \
-                const int64_t h = k * per;                                                          \
-                const T *qs = q + (s * nh + h * g) * hd;                                            \
-                T *os = out + (s * nh + h * g) * hd;                                                \
-                const int32_t *table = block_tables + s * bt_stride;                                \
-                const int64_t n = context_lens[s];                                                  \
-                int rc = 0;                                                                         \
-                if (st && hd == 64)                                                                 \
-                    ATTEND_HEADS(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, 64, block_size, scale, st); \
-                else if (st && hd == 128)                                                           \
-                    ATTEND_HEADS(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, 128, block_size, scale, st); \
-                else if (st)                                                                        \
-                    ATTEND_HEADS(qs, k_cache, v_cache, table, n, os, kvh, h, per, g, hd, block_size, scale, st); \
-                else                                   /* or where the state could not be had */   \
-                    for (int64_t hh = h; hh < h + per && !rc; hh++)                                \
-                        rc = ATTEND(q + (s * nh + hh * g) * hd, k_cache, v_cache, table, n,          \
-                                    out + (s * nh + hh * g) * hd, kvh, hh, g, hd, block_size, scale); \
-                if (rc) failed = 1;                                                                 \
+                for (int64_t sp = 0; sp < S; sp++) {                                                \
+                    const int64_t h = k * per;                                                      \
+                    const T *qs = q + (s * nh + h * g) * hd;                                        \
+                    T *os = out + (s * nh + h * g) * hd;                                            \
+                    const int32_t *table = block_tables + s * bt_stride;                            \
+                    const int64_t n = context_lens[s], span = ((n + S - 1) / S + 15) & ~(int64_t)15; \
+                    const int64_t t0 = sp * span < n ? sp * span : n, t1 = t0 + span < n ? t0 + span : n; \
+                    float *part = S > 1 ? parts + ((s * tasks + k) * S + sp) * per * g * (hd + 2) : NULL; \
+                    int rc = 0;                                                                     \
+                    if (st && hd == 64)                                                             \
+                        ATTEND_HEADS(qs, k_cache, v_cache, table, t0, t1, os, part, kvh, h, per, g, 64, block_size, scale, st); \
+                    else if (st && hd == 128)                                                       \
+                        ATTEND_HEADS(qs, k_cache, v_cache, table, t0, t1, os, part, kvh, h, per, g, 128, block_size, scale, st); \
+                    else if (st)                                                                    \
+                        ATTEND_HEADS(qs, k_cache, v_cache, table, t0, t1, os, part, kvh, h, per, g, hd, block_size, scale, st); \
+                    else if (!part)           /* head sizes the vectors do not fit, or no state */ \
+                        for (int64_t hh = h; hh < h + per && !rc; hh++)                            \
+                            rc = ATTEND(q + (s * nh + hh * g) * hd, k_cache, v_cache, table, n,      \
+                                        out + (s * nh + hh * g) * hd, kvh, hh, g, hd, block_size, scale); \
+                    else                                                                            \
+                        rc = -2;                                                                    \
+                    if (rc) failed = 1;                                                             \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        if (S > 1) {                       /* each query head: its splits, rescaled to one max */  \
+            _Pragma("omp for collapse(2) schedule(static)")                                         \
+            for (int64_t s = 0; s < num_seqs; s++) {                                                \
+                for (int64_t jh = 0; jh < nh; jh++) {                                               \
+                    const int64_t k = jh / (per * g), jl = jh - k * per * g;                        \
+                    const float *p0 = parts + ((s * tasks + k) * S * per * g + jl) * (hd + 2);       \
+                    const int64_t step = per * g * (hd + 2);     /* from one split to the next */   \
+                    float m = -FLT_MAX, zsum = 0.f, o[MAX_HD];                                      \
+                    for (int64_t sp = 0; sp < S; sp++) m = p0[sp * step + hd] > m ? p0[sp * step + hd] : m; \
+                    for (int64_t i = 0; i < hd; i++) o[i] = 0.f;                                    \
+                    for (int64_t sp = 0; sp < S; sp++) {                                            \
+                        const float *ps = p0 + sp * step;                                           \
+                        if (ps[hd + 1] <= 0.f) continue;                  /* an empty split */     \
+                        const float w = expf(ps[hd] - m);                                           \
+                        zsum += w * ps[hd + 1];                                                     \
+                        for (int64_t i = 0; i < hd; i++) o[i] += w * ps[i];                         \
+                    }                                                                               \
+                    const float inv = zsum > 0.f ? 1.f / zsum : 0.f;                                \
+                    for (int64_t i = 0; i < hd; i++) o[i] *= inv;                                   \
+                    STORE(out + (s * nh + jh) * hd, o, hd);                                         \
+                }                                                                                   \
             }                                                                                       \
         }                                                                                           \
         free(st);                                                                                   \
     }                                                                                               \
+    free(parts);                                                                                    \
     return failed ? -2 : 0;                                                                         \
 }
 
@@ -381,8 +437,8 @@ DEFINE_ATTEND_CHUNK(attend_scores_f32, attend_values_f32, float, f32_vec)
 DEFINE_ATTEND_CHUNK(attend_scores_bf16, attend_values_bf16, uint16_t, bf16_vec)
 DEFINE_ATTEND_HEADS(attend_heads_f32, float, load_f32, store_f32, attend_scores_f32, attend_values_f32)
 DEFINE_ATTEND_HEADS(attend_heads_bf16, uint16_t, load_bf16, store_bf16, attend_scores_bf16, attend_values_bf16)
-DEFINE_KERNEL(paged_decode_attention_f32, attend_f32, attend_heads_f32, float)
-DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, attend_heads_bf16, uint16_t)
+DEFINE_KERNEL(paged_decode_attention_f32, attend_f32, attend_heads_f32, float, store_f32)
+DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, attend_heads_bf16, uint16_t, store_bf16)
 
 /* ---------------------------------------------------------------------------------------------
  * Encoder attention over packed sequences (no padding, no mask): qkv [T, 3 * nh * hd] holds each

@@ -48,6 +48,28 @@ def test_kernel_equals_reference(nh, kvh, hd, block_size, dtype):
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("nh,kvh", [(9, 3), (16, 1)])
+@pytest.mark.parametrize("lens", [[255], [256], [257], [1000], [5, 700]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_split_between_threads_merge_to_the_reference(threads, nh, kvh, lens, dtype):
+    """Fewer (sequence, KV head) tasks than twice the threads, 256 keys or more: each task's keys
+    go in 2 x threads splits, merged after. 255 keys: not split; 257 on 4 threads: the last two
+    of 8 splits are empty; [5, 700]: the short sequence's splits but the first are empty."""
+    q, kc, vc, tables, ctx = _case(sum(lens) + nh + threads, nh, kvh, 64, 16, lens, dtype)
+    scale = 64 ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = cpu_attention.paged_decode_attention(q, kc, vc, tables, ctx, scale)
+    finally:
+        torch.set_num_threads(before)
+    ref = reference.paged_decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, scale)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
 def test_kernel_reads_a_non_contiguous_query_and_refuses_what_it_cannot_run():
     q, kc, vc, tables, ctx = _case(1, 9, 3, 64, 16, [20, 40], torch.float32)
     wide = torch.cat([q, torch.zeros(2, 3, 64)], dim=1)[:, :9]            # the model's q is such a view
