@@ -63,3 +63,15 @@ def test_cpu_path_equals_reference(block_size, nh, kvh, decode_path, monkeypatch
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     dec = reference.paged_decode_attention(q[:3], kc2, vc2, meta.block_tables[:3], meta.context_lens[:3], hd ** -0.5)
     torch.testing.assert_close(ours[:3], dec, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ql", [10, 300])
+def test_no_mask_means_causal_from_the_first_key(ql):
+    """`_gqa_sdpa` with mask None (a chunk with no cached prefix) equals the explicit lower
+    triangle, on both of its paths (folded query heads up to 256 rows, enable_gqa past them)."""
+    g = torch.Generator().manual_seed(ql)
+    q = torch.randn(1, ql, 9, 64, generator=g)
+    k, v = torch.randn(1, 3, ql + 6, 64, generator=g), torch.randn(1, 3, ql + 6, 64, generator=g)   # block padding
+    tril = torch.ones(ql, ql + 6, dtype=torch.bool).tril()[None, None]
+    torch.testing.assert_close(attention_dispatch._gqa_sdpa(q, k, v, None, 0.125),
+                               attention_dispatch._gqa_sdpa(q, k, v, tril, 0.125), rtol=1e-5, atol=1e-5)
