@@ -55,7 +55,8 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def _plan(meta: AttentionMetadata, block_size: int, decodes: bool) -> dict:
     """Block ids and masks shared by every layer of the step (keys padded to whole blocks);
-    `decodes`: also those of the decoding sequences (the torch path)."""
+    `decodes`: also those of the decoding sequences (the torch path). A whole prompt past 256
+    tokens (no cached prefix) gets no mask: SDPA's own causal path (`_gqa_sdpa`)."""
     if meta.cache:
         return meta.cache
     dev = meta.block_tables.device
@@ -69,6 +70,9 @@ def _plan(meta: AttentionMetadata, block_size: int, decodes: bool) -> dict:
     for b in range(D, len(meta.context_lens_list)):
         ql, n = starts[b + 1] - starts[b], meta.context_lens_list[b]
         nb = -(-n // block_size)
+        if ql == n and ql > 256:
+            meta.cache[b] = (_blocks(meta.block_tables[b:b + 1], nb), None)
+            continue
         qpos = torch.arange(n - ql, n, device=dev)[:, None]
         meta.cache[b] = (_blocks(meta.block_tables[b:b + 1], nb),
                          (torch.arange(nb * block_size, device=dev)[None, :] <= qpos)[None, None])  # (1,1,ql,L)
@@ -142,7 +146,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for b in range(D, len(meta.context_lens_list)):
         s0, s1 = starts[b], starts[b + 1]
         blocks, mask = plan[b]
-        if s1 - s0 == meta.context_lens_list[b] and s1 - s0 > 256:      # a whole prompt: no prefix to see
-            mask = None
         out[s0:s1] = _gqa_sdpa(q[None, s0:s1], _gather(k_cache, blocks), _gather(v_cache, blocks), mask, scale)[0]
     return out
