@@ -81,7 +81,8 @@ def load_library(mode: str = "auto", source: Path = SOURCE) -> tuple[ctypes.CDLL
     for kernel, args in (("paged_decode_attention", _ARGS), ("varlen_attention", _VARLEN_ARGS),
                          ("add_layer_norm", _ADD_LN_ARGS), ("rms_norm", _RMS_ARGS), ("rope_store", _ROPE_ARGS),
                          ("silu_mul", _SILU_ARGS)):
-        for suffix in _SUFFIX.values():
+        mixed = _KV_SUFFIX.values() if kernel in ("paged_decode_attention", "rope_store") else ()
+        for suffix in {*_SUFFIX.values(), *mixed}:
             fn = getattr(lib, f"{kernel}_{suffix}")
             fn.argtypes, fn.restype = args, ctypes.c_int
     lib.varlen_attention_bf16_amx.argtypes, lib.varlen_attention_bf16_amx.restype = _VARLEN_ARGS, ctypes.c_int
@@ -101,13 +102,18 @@ def available() -> str | None:
 
 # the dtypes the kernels take, and the suffix of each kernel's symbol for it (`rms_norm_bf16`)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# (activations, KV cache) dtypes the cache kernels take (paged_decode_attention, rope_store): each
+# dtype with itself, and float32 activations over a 16-bit cache (`--kv-cache-dtype bfloat16|float16`
+# for a float32 decoder: half the bytes read per key, each row widened in registers)
+_KV_SUFFIX = {(torch.float32, torch.float32): "f32", (torch.bfloat16, torch.bfloat16): "bf16",
+              (torch.float32, torch.bfloat16): "f32_kvbf16", (torch.float32, torch.float16): "f32_kvf16"}
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The shapes and dtypes the kernel takes (else the caller keeps the torch path)."""
     nh, hd = q.shape[1], q.shape[2]
     kvh = k_cache.shape[2]
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in _SUFFIX and nh % kvh == 0
+    return (q.device.type == "cpu" and (q.dtype, k_cache.dtype) in _KV_SUFFIX and nh % kvh == 0
             and nh // kvh <= 16 and hd <= 256 and k_cache.is_contiguous())
 
 
@@ -118,14 +124,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is not available: {why}")
     if not supports(q, k_cache) or v_cache.dtype != k_cache.dtype or not v_cache.is_contiguous():
-        raise ValueError("cpu paged attention: q and the caches must share float32 or bfloat16, "
-                         "with num_heads / num_kv_heads <= 16 and head_dim <= 256")
+        raise ValueError("cpu paged attention: q and the caches must share float32 or bfloat16 (or q float32 "
+                         "over bfloat16 or float16 caches), with num_heads / num_kv_heads <= 16 and head_dim <= 256")
     q = q.contiguous()
     bt = block_tables.to(torch.int32).contiguous()
     ctx = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     B, nh, hd = q.shape
-    rc = getattr(lib, "paged_decode_attention_" + _SUFFIX[q.dtype])(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
+    rc = getattr(lib, "paged_decode_attention_" + _KV_SUFFIX[q.dtype, k_cache.dtype])(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
                                        bt.shape[1], ctx.data_ptr(), out.data_ptr(), B, nh, k_cache.shape[2], hd,
                                        k_cache.shape[1], float(scale), torch.get_num_threads())
     if rc != 0:
@@ -218,9 +224,9 @@ def add_layer_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias:
 
 def decoder_glue_supports(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Hidden states (T, H) and a KV cache [blocks, block_size, kvh, hd] the glue kernels take:
-    float32 or bfloat16 on the CPU, one dtype, H at most 4,096, hd even and at most 256, the cache
-    contiguous; and the library built."""
-    return (x.device.type == "cpu" and x.dtype in _SUFFIX and k_cache.dtype == x.dtype and x.dim() == 2
+    float32 or bfloat16 on the CPU, the cache in that dtype (or bfloat16 or float16 under float32),
+    H at most 4,096, hd even and at most 256, the cache contiguous; and the library built."""
+    return (x.device.type == "cpu" and (x.dtype, k_cache.dtype) in _KV_SUFFIX and x.dim() == 2
             and x.shape[1] <= 4096 and k_cache.shape[-1] <= 256 and k_cache.shape[-1] % 2 == 0
             and x.is_contiguous() and k_cache.is_contiguous() and available() is None)
 
@@ -253,7 +259,7 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = getattr(lib, "rope_store_" + _SUFFIX[qkv.dtype])(
+    rc = getattr(lib, "rope_store_" + _KV_SUFFIX[qkv.dtype, k_cache.dtype])(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
         num_slots, q.data_ptr(), T, num_heads, num_kv_heads, hd, torch.get_num_threads())
     if rc != 0:

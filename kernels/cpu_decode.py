@@ -26,11 +26,13 @@ class _Linear(ctypes.Structure):
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 # x, out, linears, norms, k caches, v caches, cos, sin, slots; num_slots, block tables, their stride, context
-# lens; T, H, I, L, nh, kvh, hd, block size; eps, scale; scratch; threads
-_ARGS = [_P] * 9 + [_I, _P, _I, _P] + [_I] * 8 + [ctypes.c_float, ctypes.c_float, _P, ctypes.c_int]
+# lens; T, H, I, L, nh, kvh, hd, block size, the caches' dtype (_KV_KIND); eps, scale; scratch; threads
+_ARGS = [_P] * 9 + [_I, _P, _I, _P] + [_I] * 9 + [ctypes.c_float, ctypes.c_float, _P, ctypes.c_int]
 # bf16: the same, with two scratch buffers (bf16 intermediates, float32 linear output)
 _ARGS_BF16 = _ARGS[:-1] + [_P, ctypes.c_int]
 _FNS = {torch.float32: ("decode_forward_f32", _ARGS), torch.bfloat16: ("decode_forward_bf16", _ARGS_BF16)}
+# the caches' dtype as the C step takes it; float32 activations take any of them, bfloat16 its own
+_KV_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _fn(dtype: torch.dtype):
@@ -94,17 +96,20 @@ def linear_descriptor(weight: torch.Tensor | None, bias: torch.Tensor | None, pa
 class DecodeLayers:
     """The fused step's view of a decoder: 4 linears (qkv, o, gate|up, down) and 2 norms per
     layer, the final norm (in the activations' dtype), the caches. `keep` holds every tensor a
-    pointer points into. float32 activations take fp32 and int8 linears, bfloat16 ones int8 and
-    bf16 linears."""
+    pointer points into. float32 activations take fp32 and int8 linears and a float32, bfloat16 or
+    float16 cache; bfloat16 ones int8 and bf16 linears and a bfloat16 cache."""
 
     def __init__(self, linears: list[_Linear], norms: list[torch.Tensor], kv_caches, hidden: int,
                  intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, keep: list):
-        self.dtype = kv_caches[0][0].dtype
+        self.dtype, self.kv_dtype = norms[0].dtype, kv_caches[0][0].dtype
         kinds = (0, 1) if self.dtype == torch.float32 else (1, 2)
         if self.dtype not in _FNS or any(t.dtype != self.dtype for t in norms) \
-                or any(lin.kind not in kinds for lin in linears):
-            raise ValueError("the one-call step takes float32 with fp32 or int8 linears, or bfloat16 with int8 "
-                             "or bf16 linears; norms and caches in the activations' dtype")
+                or any(lin.kind not in kinds for lin in linears) \
+                or (self.dtype, self.kv_dtype) not in cpu_attention._KV_SUFFIX \
+                or any(c.dtype != self.kv_dtype for kv in kv_caches for c in kv):
+            raise ValueError("the one-call step takes float32 with fp32 or int8 linears and a float32, bfloat16 or "
+                             "float16 cache, or bfloat16 with int8 or bf16 linears and a bfloat16 cache; norms in "
+                             "the activations' dtype")
         self.num_layers = len(norms) // 2
         self.lins = (_Linear * len(linears))(*linears)
         self.norms = (ctypes.c_void_p * len(norms))(*[t.data_ptr() for t in norms])
@@ -135,7 +140,8 @@ class DecodeLayers:
         args = [x.data_ptr(), out.data_ptr(), ctypes.addressof(self.lins), ctypes.addressof(self.norms),
                 ctypes.addressof(self.k), ctypes.addressof(self.v), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                 self.num_slots, bt.data_ptr(), bt.shape[1], ctx.data_ptr(), T, self.H, self.I, self.num_layers,
-                self.nh, self.kvh, self.hd, self.block_size, float(self.eps), float(self.hd ** -0.5),
+                self.nh, self.kvh, self.hd, self.block_size, _KV_KIND[self.kv_dtype], float(self.eps),
+                float(self.hd ** -0.5),
                 scratch.data_ptr()]
         if self.dtype == torch.bfloat16:          # one linear's float32 output rows
             wide = torch.empty(T * max(qkv_w, self.H, 2 * self.I), dtype=torch.float32)

@@ -59,6 +59,38 @@ static inline vec bf16_vec(const uint16_t *p) {        /* VW bf16 -> floats, exa
 static inline vec f32_vec(const float *p) {            /* VW floats, unaligned (vec's alignment is 4) */
     return *(const vec *)p;
 }
+/* IEEE half (a float16 KV cache beside float32 activations, as llama.cpp keeps one): F16C's
+ * conversions (round to nearest even, as torch's .to(float16)), else GCC's _Float16 in software */
+static inline float f16_to_f32(uint16_t v) {
+#if defined(__F16C__)
+    return _cvtsh_ss(v);
+#else
+    _Float16 h;
+    memcpy(&h, &v, 2);
+    return (float)h;
+#endif
+}
+static inline uint16_t f32_to_f16(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    const _Float16 h = (_Float16)f;
+    uint16_t v;
+    memcpy(&v, &h, 2);
+    return v;
+#endif
+}
+static inline vec f16_vec(const uint16_t *p) {        /* VW halves -> floats, exactly */
+#if VW == 16
+    return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vec f;
+    for (int i = 0; i < VW; i++) f[i] = f16_to_f32(p[i]);
+    return f;
+#endif
+}
 typedef int32_t ivec __attribute__((vector_size(VW * 4)));
 
 /* e^x for x <= 0 in float32 (softmax terms), VW at a time: 2^n e^r with n = round(x / ln 2),
@@ -117,11 +149,19 @@ static inline void store_bf16(uint16_t *dst, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
 }
 
+static inline void load_f16(const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(src[i]);
+}
+
+static inline void store_f16(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_f16(src[i]);
+}
+
 /* one (sequence, KV head): g query heads against the sequence's n cached keys; `hd` is a
  * compile-time constant where the caller passes one (64, 128), so the row loops unroll */
-#define DEFINE_ATTEND(NAME, T, LOAD, STORE)                                                          \
+#define DEFINE_ATTEND(NAME, T, LOAD, STORE, TC, LOADC)                                               \
 static inline __attribute__((always_inline)) int NAME(                                              \
-        const T *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t n, T *out,    \
+        const T *q, const TC *k_cache, const TC *v_cache, const int32_t *table, int64_t n, T *out,  \
         int64_t kvh, int64_t h, int64_t g, const int64_t hd, int64_t block_size, float scale) {     \
     float qf[MAX_G * MAX_HD], acc[MAX_G * MAX_HD], row[MAX_HD], mx[MAX_G], sum[MAX_G];              \
     float stack_p[MAX_G * 512];                                                                     \
@@ -132,9 +172,9 @@ static inline __attribute__((always_inline)) int NAME(                          
         mx[j] = -FLT_MAX;                                                                           \
     }                                                                                               \
     for (int64_t b = 0, t = 0; t < n; b++) {            /* scores: q . k for every key */          \
-        const T *kb = k_cache + ((int64_t)table[b] * block_size * kvh + h) * hd;                    \
+        const TC *kb = k_cache + ((int64_t)table[b] * block_size * kvh + h) * hd;                    \
         for (int64_t o = 0; o < block_size && t < n; o++, t++) {                                    \
-            LOAD(kb + o * kvh * hd, row, hd);                                                       \
+            LOADC(kb + o * kvh * hd, row, hd);                                                       \
             for (int64_t j = 0; j < g; j++) {                                                       \
                 const float *qj = qf + j * hd;                                                      \
                 float d = 0.f;                                                                      \
@@ -152,9 +192,9 @@ static inline __attribute__((always_inline)) int NAME(                          
         memset(acc + j * hd, 0, sizeof(float) * (size_t)hd);                                        \
     }                                                                                               \
     for (int64_t b = 0, t = 0; t < n; b++) {            /* weighted sum of the values */           \
-        const T *vb = v_cache + ((int64_t)table[b] * block_size * kvh + h) * hd;                    \
+        const TC *vb = v_cache + ((int64_t)table[b] * block_size * kvh + h) * hd;                    \
         for (int64_t o = 0; o < block_size && t < n; o++, t++) {                                    \
-            LOAD(vb + o * kvh * hd, row, hd);                                                       \
+            LOADC(vb + o * kvh * hd, row, hd);                                                       \
             for (int64_t j = 0; j < g; j++) {                                                       \
                 const float w = p[j * n + t];                                                       \
                 float *aj = acc + j * hd;                                                           \
@@ -289,9 +329,9 @@ static inline __attribute__((always_inline)) void VALUES(                       
  * to VW. 64 SmolLM2 sequences at ~190 tokens, bf16,
  * 2-core AMX Xeon: 0.81 ms a layer before (K and V widened into float32 scratch first, then per
  * query head a dot product per key with a horizontal sum in scalar adds). */
-#define DEFINE_ATTEND_HEADS(NAME, T, LOAD, STORE, SCORES, VALUES)                                    \
+#define DEFINE_ATTEND_HEADS(NAME, T, LOAD, STORE, TC, SCORES, VALUES)                                \
 static inline __attribute__((always_inline)) void NAME(                                             \
-        const T *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t t0, int64_t n, \
+        const T *q, const TC *k_cache, const TC *v_cache, const int32_t *table, int64_t t0, int64_t n, \
         T *out, float *part, int64_t kvh, int64_t h0, int64_t nk, int64_t g, const int64_t hd,       \
         int64_t block_size, float scale, float *st) {                                               \
     const int64_t NH = nk * g, row = kvh * hd, Lp = (n - t0 + VW - 1) / VW * VW;                    \
@@ -308,15 +348,15 @@ static inline __attribute__((always_inline)) void NAME(                         
         memset(acc + j * hd, 0, sizeof(float) * (size_t)hd);                                        \
     }                                                                                               \
     int64_t rows[VW];                                                                               \
-    for (int64_t c = t0; c < t0 + PF_DIST * VW; c += VW) PREFETCH_CHUNK(k_cache, T, c)              \
+    for (int64_t c = t0; c < t0 + PF_DIST * VW; c += VW) PREFETCH_CHUNK(k_cache, TC, c)              \
     for (int64_t c = t0; c < n; c += VW) {                                                          \
         const int64_t cnt = n - c < VW ? n - c : VW;                                                \
         for (int64_t i = 0; i < cnt; i++) rows[i] = TOKEN_ROW(c + i);                              \
-        PREFETCH_CHUNK(k_cache, T, c + PF_DIST * VW)                                                \
+        PREFETCH_CHUNK(k_cache, TC, c + PF_DIST * VW)                                                \
         FOR_GROUPS(SCORES(k_cache, rows, cnt, hoff, jn, hd, scale, qf + j * hd, p + j * Lp + c - t0, Lp)) \
     }                                                                                               \
     float *z = p + NH * Lp, *mv = z + NH;                                                           \
-    for (int64_t c = t0; c < t0 + PF_DIST * VW; c += VW) PREFETCH_CHUNK(v_cache, T, c)              \
+    for (int64_t c = t0; c < t0 + PF_DIST * VW; c += VW) PREFETCH_CHUNK(v_cache, TC, c)              \
     for (int64_t j = 0; j < NH; j++) {                                                              \
         float *pj = p + j * Lp, m = -FLT_MAX, zs = 0.f;                                             \
         for (int64_t t = 0; t < n - t0; t++) m = pj[t] > m ? pj[t] : m;                             \
@@ -332,7 +372,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t c = t0; c < n; c += VW) {                                                          \
         const int64_t cnt = n - c < VW ? n - c : VW;                                                \
         for (int64_t i = 0; i < cnt; i++) rows[i] = TOKEN_ROW(c + i);                              \
-        PREFETCH_CHUNK(v_cache, T, c + PF_DIST * VW)                                                \
+        PREFETCH_CHUNK(v_cache, TC, c + PF_DIST * VW)                                                \
         FOR_GROUPS(VALUES(v_cache, rows, cnt, hoff, jn, hd, p + j * Lp + c - t0, Lp, acc + j * hd)) \
     }                                                                                               \
     for (int64_t j = 0; j < NH; j++) {                                                              \
@@ -355,8 +395,8 @@ static inline __attribute__((always_inline)) void NAME(                         
  * of which did two), each one's keys in 2 x threads splits of whole 16-key runs, merged after
  * (flash-decoding: the splits' sums rescaled to the largest max). One sequence of 1,900 tokens,
  * fp32, 2 AVX2 cores: BENCHMARKS.md ("RAG-sized prompt"). */
-#define DEFINE_KERNEL(NAME, ATTEND, ATTEND_HEADS, T, STORE)                                          \
-int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,               \
+#define DEFINE_KERNEL(NAME, ATTEND, ATTEND_HEADS, T, STORE, TC)                                      \
+int NAME(const T *q, const TC *k_cache, const TC *v_cache, const int32_t *block_tables,             \
          int64_t bt_stride, const int32_t *context_lens, T *out, int64_t num_seqs, int64_t nh,       \
          int64_t kvh, int64_t hd, int64_t block_size, float scale, int num_threads) {                \
     const int64_t g = nh / kvh;                                                                     \
@@ -431,14 +471,23 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_ta
 }
 
 
-DEFINE_ATTEND(attend_f32, float, load_f32, store_f32)
-DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_ATTEND(attend_f32, float, load_f32, store_f32, float, load_f32)
+DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16, store_bf16, uint16_t, load_bf16)
+DEFINE_ATTEND(attend_f32_kvbf16, float, load_f32, store_f32, uint16_t, load_bf16)
+DEFINE_ATTEND(attend_f32_kvf16, float, load_f32, store_f32, uint16_t, load_f16)
 DEFINE_ATTEND_CHUNK(attend_scores_f32, attend_values_f32, float, f32_vec)
 DEFINE_ATTEND_CHUNK(attend_scores_bf16, attend_values_bf16, uint16_t, bf16_vec)
-DEFINE_ATTEND_HEADS(attend_heads_f32, float, load_f32, store_f32, attend_scores_f32, attend_values_f32)
-DEFINE_ATTEND_HEADS(attend_heads_bf16, uint16_t, load_bf16, store_bf16, attend_scores_bf16, attend_values_bf16)
-DEFINE_KERNEL(paged_decode_attention_f32, attend_f32, attend_heads_f32, float, store_f32)
-DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, attend_heads_bf16, uint16_t, store_bf16)
+DEFINE_ATTEND_CHUNK(attend_scores_f16, attend_values_f16, uint16_t, f16_vec)
+DEFINE_ATTEND_HEADS(attend_heads_f32, float, load_f32, store_f32, float, attend_scores_f32, attend_values_f32)
+DEFINE_ATTEND_HEADS(attend_heads_bf16, uint16_t, load_bf16, store_bf16, uint16_t, attend_scores_bf16, attend_values_bf16)
+DEFINE_ATTEND_HEADS(attend_heads_f32_kvbf16, float, load_f32, store_f32, uint16_t, attend_scores_bf16, attend_values_bf16)
+DEFINE_ATTEND_HEADS(attend_heads_f32_kvf16, float, load_f32, store_f32, uint16_t, attend_scores_f16, attend_values_f16)
+DEFINE_KERNEL(paged_decode_attention_f32, attend_f32, attend_heads_f32, float, store_f32, float)
+DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, attend_heads_bf16, uint16_t, store_bf16, uint16_t)
+/* float32 activations over a 16-bit cache (`--kv-cache-dtype bfloat16|float16` for a float32
+ * decoder): half the bytes per key, each row widened in registers as it is read */
+DEFINE_KERNEL(paged_decode_attention_f32_kvbf16, attend_f32_kvbf16, attend_heads_f32_kvbf16, float, store_f32, uint16_t)
+DEFINE_KERNEL(paged_decode_attention_f32_kvf16, attend_f32_kvf16, attend_heads_f32_kvf16, float, store_f32, uint16_t)
 
 /* ---------------------------------------------------------------------------------------------
  * Encoder attention over packed sequences (no padding, no mask): qkv [T, 3 * nh * hd] holds each
@@ -917,8 +966,8 @@ int NAME(T *x, const T *r, const T *w, T *out, int64_t rows, int64_t H, float ep
     return 0;                                                                                       \
 }
 
-#define DEFINE_ROPE_STORE(NAME, T, LOAD, STORE)                                                       \
-int NAME(const T *qkv, const float *cos_t, const float *sin_t, T *k_cache, T *v_cache,              \
+#define DEFINE_ROPE_STORE(NAME, T, LOAD, STORE, TC, STOREC)                                           \
+int NAME(const T *qkv, const float *cos_t, const float *sin_t, TC *k_cache, TC *v_cache,            \
          const int64_t *slots, int64_t num_slots, T *q_out, int64_t rows, int64_t nh, int64_t kvh,    \
          int64_t hd, int num_threads) {                                                             \
     if (hd > MAX_HD || hd % 2) return -1;                                                           \
@@ -936,10 +985,16 @@ int NAME(const T *qkv, const float *cos_t, const float *sin_t, T *k_cache, T *v_
                 o[i] = p - q2;                                                                      \
                 o[i + half] = p2 + q1;                                                              \
             }                                                                                       \
-            T *dst = hh < nh ? q_out + (t * nh + hh) * hd : k_cache + (slots[t] * kvh + hh - nh) * hd; \
-            STORE(dst, o, hd);                                                                      \
+            if (hh < nh) STORE(q_out + (t * nh + hh) * hd, o, hd);                                  \
+            else STOREC(k_cache + (slots[t] * kvh + hh - nh) * hd, o, hd);                          \
         }                                                                                           \
-        memcpy(v_cache + slots[t] * kvh * hd, qkv + t * row + (nh + kvh) * hd, sizeof(T) * (size_t)(kvh * hd)); \
+        if (sizeof(T) == sizeof(TC))                         /* the cache in the activations' dtype */ \
+            memcpy(v_cache + slots[t] * kvh * hd, qkv + t * row + (nh + kvh) * hd, sizeof(T) * (size_t)(kvh * hd)); \
+        else                                                                                        \
+            for (int64_t i = 0; i < kvh * hd; i += hd) {          /* rounded to the cache's dtype */ \
+                LOAD(qkv + t * row + (nh + kvh) * hd + i, a, hd);                                   \
+                STOREC(v_cache + slots[t] * kvh * hd + i, a, hd);                                   \
+            }                                                                                       \
     }                                                                                               \
     return 0;                                                                                       \
 }
@@ -978,8 +1033,10 @@ int NAME(const T *gu, T *out, int64_t rows, int64_t I, int num_threads) {       
 
 DEFINE_RMS(rms_norm_f32, float, load_f32, store_f32, round_f32, f32_vec, round_vec_f32, store_vec_f32)
 DEFINE_RMS(rms_norm_bf16, uint16_t, load_bf16, store_bf16, round_bf16, bf16_vec, round_vec_bf16, store_vec_bf16)
-DEFINE_ROPE_STORE(rope_store_f32, float, load_f32, store_f32)
-DEFINE_ROPE_STORE(rope_store_bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_ROPE_STORE(rope_store_f32, float, load_f32, store_f32, float, store_f32)
+DEFINE_ROPE_STORE(rope_store_bf16, uint16_t, load_bf16, store_bf16, uint16_t, store_bf16)
+DEFINE_ROPE_STORE(rope_store_f32_kvbf16, float, load_f32, store_f32, uint16_t, store_bf16)
+DEFINE_ROPE_STORE(rope_store_f32_kvf16, float, load_f32, store_f32, uint16_t, store_f16)
 DEFINE_SILU_MUL(silu_mul_f32, float, load_f32, store_f32, round_f32, f32_vec, round_vec_f32, store_vec_f32)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf16, bf16_vec, round_vec_bf16, store_vec_bf16)
 
@@ -1425,12 +1482,30 @@ static int es_linear_run(const es_linear *l, const float *x, float *y, int64_t M
     return gemv_f32(x, (const float *)l->w, l->bias, y, M, l->n, l->k, threads);
 }
 
+/* kv: the caches' dtype, 0 float32, 1 bfloat16, 2 float16 (rope_store and attention of that pair) */
+static inline int rope_store_kv_f32(int64_t kv, const float *qkv, const float *cos_t, const float *sin_t, void *kc,
+                                    void *vc, const int64_t *slots, int64_t num_slots, float *q, int64_t T, int64_t nh,
+                                    int64_t kvh, int64_t hd, int threads) {
+    if (kv == 1) return rope_store_f32_kvbf16(qkv, cos_t, sin_t, kc, vc, slots, num_slots, q, T, nh, kvh, hd, threads);
+    if (kv == 2) return rope_store_f32_kvf16(qkv, cos_t, sin_t, kc, vc, slots, num_slots, q, T, nh, kvh, hd, threads);
+    return rope_store_f32(qkv, cos_t, sin_t, kc, vc, slots, num_slots, q, T, nh, kvh, hd, threads);
+}
+static inline int attention_kv_f32(int64_t kv, const float *q, const void *kc, const void *vc, const int32_t *bt,
+                                   int64_t bt_stride, const int32_t *ctx, float *o, int64_t T, int64_t nh, int64_t kvh,
+                                   int64_t hd, int64_t block_size, float scale, int threads) {
+    if (kv == 1)
+        return paged_decode_attention_f32_kvbf16(q, kc, vc, bt, bt_stride, ctx, o, T, nh, kvh, hd, block_size, scale, threads);
+    if (kv == 2)
+        return paged_decode_attention_f32_kvf16(q, kc, vc, bt, bt_stride, ctx, o, T, nh, kvh, hd, block_size, scale, threads);
+    return paged_decode_attention_f32(q, kc, vc, bt, bt_stride, ctx, o, T, nh, kvh, hd, block_size, scale, threads);
+}
+
 int decode_forward_f32(float *x, float *out, const es_linear *lins, const float *const *norms,
-                       float *const *k_caches, float *const *v_caches, const float *cos_t, const float *sin_t,
+                       void *const *k_caches, void *const *v_caches, const float *cos_t, const float *sin_t,
                        const int64_t *slots, int64_t num_slots, const int32_t *block_tables, int64_t bt_stride,
                        const int32_t *context_lens, int64_t T, int64_t H, int64_t I, int64_t L, int64_t nh,
-                       int64_t kvh, int64_t hd, int64_t block_size, float eps, float scale, float *scratch,
-                       int threads) {
+                       int64_t kvh, int64_t hd, int64_t block_size, int64_t kv, float eps, float scale,
+                       float *scratch, int threads) {
     const int64_t qkv_w = (nh + 2 * kvh) * hd;
     float *h = scratch, *qkv = h + T * H, *q = qkv + T * qkv_w, *o = q + T * nh * hd, *gu = o + T * nh * hd,
           *act = gu + T * 2 * I, *res = act + T * I;
@@ -1440,10 +1515,10 @@ int decode_forward_f32(float *x, float *out, const es_linear *lins, const float 
         const es_linear *lin = lins + 4 * l;
         if ((rc = rms_norm_f32(x, r, norms[2 * l], h, T, H, eps, threads))) break;
         if ((rc = es_linear_run(lin, h, qkv, T, threads))) break;
-        if ((rc = rope_store_f32(qkv, cos_t, sin_t, k_caches[l], v_caches[l], slots, num_slots, q, T, nh, kvh, hd,
-                                 threads))) break;
-        if ((rc = paged_decode_attention_f32(q, k_caches[l], v_caches[l], block_tables, bt_stride, context_lens, o,
-                                             T, nh, kvh, hd, block_size, scale, threads))) break;
+        if ((rc = rope_store_kv_f32(kv, qkv, cos_t, sin_t, k_caches[l], v_caches[l], slots, num_slots, q, T, nh, kvh,
+                                    hd, threads))) break;
+        if ((rc = attention_kv_f32(kv, q, k_caches[l], v_caches[l], block_tables, bt_stride, context_lens, o,
+                                   T, nh, kvh, hd, block_size, scale, threads))) break;
         if ((rc = es_linear_run(lin + 1, o, res, T, threads))) break;
         if ((rc = rms_norm_f32(x, res, norms[2 * l + 1], h, T, H, eps, threads))) break;
         if ((rc = es_linear_run(lin + 2, h, gu, T, threads))) break;
@@ -1481,8 +1556,9 @@ int decode_forward_bf16(uint16_t *x, uint16_t *out, const es_linear *lins, const
                         uint16_t *const *k_caches, uint16_t *const *v_caches, const float *cos_t, const float *sin_t,
                         const int64_t *slots, int64_t num_slots, const int32_t *block_tables, int64_t bt_stride,
                         const int32_t *context_lens, int64_t T, int64_t H, int64_t I, int64_t L, int64_t nh,
-                        int64_t kvh, int64_t hd, int64_t block_size, float eps, float scale, uint16_t *s16,
-                        float *s32, int threads) {
+                        int64_t kvh, int64_t hd, int64_t block_size, int64_t kv, float eps, float scale,
+                        uint16_t *s16, float *s32, int threads) {
+    if (kv != 1) return -5;                               /* a bf16 decoder's cache is bf16 */
     const int64_t qkv_w = (nh + 2 * kvh) * hd;
     uint16_t *h = s16, *qkv = h + T * H, *q = qkv + T * qkv_w, *o = q + T * nh * hd, *gu = o + T * nh * hd,
              *act = gu + T * 2 * I, *res = act + T * I;

@@ -101,6 +101,8 @@ def _gqa_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     B, ql, nh, hd = q.shape
     kvh = k.shape[1]
     g = nh // kvh
+    if q.dtype == torch.float32 and k.dtype != q.dtype:     # a 16-bit cache under a float32 decoder:
+        k, v = k.float(), v.float()                         # SDPA in float32 (the gather copied them anyway)
     if ql > 256:                    # long chunks: enable_gqa is ~7 % faster there (1000 x 1000)
         # is_causal: SDPA's flash kernel skips the blocks above the diagonal, which a mask makes
         # it compute (2,000 x 2,000, 9 heads, fp32, 2 threads: 43 vs 79 ms; the same outputs)
