@@ -226,8 +226,9 @@ class DecodeConfig(Section):
                                             "min(2 GiB, 10%% of free RAM) on a CPU)", lo=1, hi=1 << 44)
     memory_utilization: float | None = opt(None, "fraction of free RAM (GPU memory on a GPU) for the KV cache",
                                            above=0, below=1)
-    kv_cache_dtype: str = opt("auto", "auto | float32 | bfloat16 | float16 | fp8 (fp8 only on GPUs with "
-                                      "compute capability >= 8.9)", choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = opt("auto", "auto (the decoder's dtype; float16 under a float32 decoder on a CPU) | "
+                                      "float32 | bfloat16 | float16 | fp8 (fp8 only on GPUs with compute "
+                                      "capability >= 8.9)", choices=KV_CACHE_DTYPES)
     decode_weights: str = opt("auto", "the decoder's linear weights: native (in --dtype), int8 (weight-only, per "
                                       "output channel; CPU), auto (int8 for a float32 decoder on a CPU where the model "
                                       "passes the accuracy gate of embedserve.models.int8_gate, else native)",

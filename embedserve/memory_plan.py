@@ -80,6 +80,8 @@ class KVCachePlan:
     num_blocks: int
     activations: int
     max_model_len: int
+    kv_dtype: str = ""
+
 
     @property
     def kv_tokens(self) -> int:
@@ -93,7 +95,7 @@ class KVCachePlan:
         gib = 1 << 30
         return [f"decode plan ({self.dtype}): weights {self.weights / gib:.2f} GiB, activations "
                 f"{self.activations / gib:.2f} GiB, KV cache {self.num_blocks * self.block_size * self.kv_bytes_per_token / gib:.2f} GiB "
-                f"({self.kv_bytes_per_token} bytes/token)",
+                f"({self.kv_dtype + ', ' if self.kv_dtype else ''}{self.kv_bytes_per_token} bytes/token)",
                 f"KV cache blocks: {self.num_blocks} of {self.block_size} tokens = {self.kv_tokens} tokens",
                 f"Maximum concurrency for {self.max_model_len} tokens per request: {self.max_concurrency:.2f}x"]
 
@@ -106,7 +108,13 @@ def decode_memory_plan(model_dir: Path, config: ServerConfig, embed_bytes: int =
     dc, device = config.decode, config.compute.device
     dtype = decoder_precision(config.compute.dtype, device)
     bpe = 2 if dtype == "bfloat16" else 4
-    kv_bpe = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}.get(dc.kv_cache_dtype, bpe)
+    kv_dtype = dc.kv_cache_dtype
+    if kv_dtype == "auto":                  # what the engine will pick (kernels.check_kv_cache_dtype)
+        import torch
+
+        from kernels import check_kv_cache_dtype
+        kv_dtype = str(check_kv_cache_dtype("auto", torch.device(device), getattr(torch, dtype))).removeprefix("torch.")
+    kv_bpe = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}[kv_dtype]
     max_len = dc.max_model_len or min(cfg.max_position_embeddings, 8192)
     if max_len > cfg.max_position_embeddings:
         raise ConfigError(f"--max-model-len {max_len} exceeds the model's {cfg.max_position_embeddings} positions")
@@ -126,7 +134,7 @@ def decode_memory_plan(model_dir: Path, config: ServerConfig, embed_bytes: int =
     blocks = max(0, budget) // (dc.block_size * per_token)
     plan = KVCachePlan(dtype=dtype, weights=weights, kv_budget=budget, kv_bytes_per_token=per_token,
                        block_size=dc.block_size, num_blocks=int(blocks), activations=activations,
-                       max_model_len=max_len)
+                       max_model_len=max_len, kv_dtype=kv_dtype)
     if budget > free:
         raise ConfigError(f"the KV cache budget {budget / (1 << 30):.2f} GiB exceeds free memory "
                           f"{max(free, 0) / (1 << 30):.2f} GiB after weights and activations; lower "

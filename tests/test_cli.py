@@ -17,12 +17,18 @@ def _run(*args, env=None):
 
 @pytest.mark.model
 def test_plan_prints_embed_and_kv_plans():
-    r = _run("plan", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory", "100000000")
+    r = _run("plan", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory", "100000000",
+             "--kv-cache-dtype", "float32")
     assert r.returncode == 0, r.stderr
     assert "memory plan (float32): weights" in r.stdout and "headroom" in r.stdout
-    assert "46080 bytes/token" in r.stdout                      # 2 × 30 layers × 3 kv heads × 64 × 4 B
+    assert "(float32, 46080 bytes/token)" in r.stdout            # 2 × 30 layers × 3 kv heads × 64 × 4 B
     assert "KV cache blocks: 135 of 16 tokens = 2160 tokens" in r.stdout   # 1e8 // (16 × 46080)
     assert "Maximum concurrency for 2048 tokens per request: 1.05x" in r.stdout
+    # auto under a float32 decoder on a CPU where the C kernels run: a float16 cache, twice the tokens
+    r = _run("plan", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory", "100000000")
+    assert r.returncode == 0, r.stderr
+    assert "(float16, 23040 bytes/token)" in r.stdout
+    assert "KV cache blocks: 271 of 16 tokens = 4336 tokens" in r.stdout   # 1e8 // (16 × 23040)
 
 
 @pytest.mark.model

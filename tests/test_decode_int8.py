@@ -138,14 +138,15 @@ def test_weight_int8_linear_reads_a_quarter_of_fp32s_bytes():
     assert float((lin.dequantized() - w).abs().max()) <= float(w.abs().max()) / 254 + 1e-7
 
 
-def _prefill_then_decode(model, prompt, token, fused):
+def _prefill_then_decode(model, prompt, token, fused, kv_dtype=None):
     """Prefill `prompt` (one sequence), then one decode step of `token`; the step's final hidden
-    state, with the fused step on or off."""
+    state, with the fused step on or off (the KV cache in `kv_dtype`, default the model's)."""
     cfg, bs = model.cfg, 16
     T = len(prompt)
     nb = -(-(T + 1) // bs)
     shape = (nb, bs, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+    kv_dtype = kv_dtype or model.dtype
+    caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
               for _ in range(cfg.num_hidden_layers)]
     table = torch.arange(nb, dtype=torch.int32)[None]
 
@@ -165,16 +166,20 @@ def _prefill_then_decode(model, prompt, token, fused):
 BF16_GEMV = small_rows_kernel(torch.bfloat16) is None
 
 
-@pytest.mark.parametrize("dtype,linear_weights", [(torch.float32, "native"), (torch.float32, "int8"),
-                                                  (torch.bfloat16, "int8")]
-                         + ([(torch.bfloat16, "native")] if BF16_GEMV else []))
-def test_the_one_call_decode_step_equals_the_per_op_path_bit_for_bit(smollm2_dir, smollm2, dtype, linear_weights):
+# float32 decoders also over a 16-bit KV cache (`--kv-cache-dtype float16|bfloat16`)
+@pytest.mark.parametrize("dtype,linear_weights,kv_dtype",
+                         [(torch.float32, "native", None), (torch.float32, "int8", None),
+                          (torch.bfloat16, "int8", None), (torch.float32, "int8", torch.float16),
+                          (torch.float32, "native", torch.bfloat16)]
+                         + ([(torch.bfloat16, "native", None)] if BF16_GEMV else []))
+def test_the_one_call_decode_step_equals_the_per_op_path_bit_for_bit(smollm2_dir, smollm2, dtype, linear_weights,
+                                                                     kv_dtype):
     _, tok = smollm2
     model = LlamaModel.from_dir(smollm2_dir, dtype, linear_weights=linear_weights)
     prompt = tok("The capital of France is").input_ids
-    fused, used = _prefill_then_decode(model, prompt, 12366, fused=True)
+    fused, used = _prefill_then_decode(model, prompt, 12366, fused=True, kv_dtype=kv_dtype)
     model._fused_memo = None
-    plain, used_plain = _prefill_then_decode(model, prompt, 12366, fused=False)
+    plain, used_plain = _prefill_then_decode(model, prompt, 12366, fused=False, kv_dtype=kv_dtype)
     assert used and not used_plain, "the switch turns the one-call step on and off"
     assert fused.dtype == dtype and torch.equal(fused, plain)
 

@@ -131,6 +131,24 @@ def test_prefix_cache_hit_reuses_blocks_and_is_exact(smollm2, prompt_ids, refere
     _check(second.completion_ids, *reference[16], "prefix-hit")
 
 
+# A 16-bit KV cache under the float32 decoder (`--kv-cache-dtype float16|bfloat16`): K/V rounded
+# once as stored (float16: 11 significant bits, bfloat16: 8), the rest in float32. Near-ties by
+# the cache's rounding: float16 within TIE (it measured equal on all 20 prompts), bfloat16 within
+# 0.02 (two prompts parted at gaps of 5e-3 and 6e-3).
+@pytest.mark.parametrize("kv_cache_dtype,tie", [("float16", TIE), ("bfloat16", 0.02)])
+def test_a_16_bit_kv_cache_under_float32_equals_hf_generate(kv_cache_dtype, tie, smollm2, prompt_ids, reference):
+    """Batched, prefix caching on, prefill in 64-token chunks: decode steps read the cache in the C
+    kernel (rows widened in registers), chunks after a cached prefix widen the gathered blocks for
+    SDPA in float32."""
+    eng = make_decode_engine(smollm2, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=64)
+    assert all(c.dtype == getattr(torch, kv_cache_dtype) for kv in eng.runner.kv_caches for c in kv)
+    seqs = eng.generate(prompt_ids, _greedy())
+    verdicts = [_check(s.completion_ids, *ref, f"kv {kv_cache_dtype} prompt {i}", tie=tie)
+                for i, (s, ref) in enumerate(zip(seqs, reference))]
+    assert verdicts.count("equal") >= len(verdicts) - 2, verdicts
+    assert eng.bm.prefix_hits > 0 and eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
 # bf16 keeps 8 significant bits: a logit near 20 is stored to within 0.0625, and the two sides
 # round different partial sums (HF's eager attention and matmul order vs our paged path), so
 # a near-tie in bf16 is a few of those steps.

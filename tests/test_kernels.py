@@ -434,6 +434,14 @@ def test_check_kv_cache_dtype():
     cpu = torch.device("cpu")
     assert kernels.check_kv_cache_dtype("auto", cpu) == torch.float32
     assert kernels.check_kv_cache_dtype("auto", cpu, model_dtype=torch.bfloat16) == torch.bfloat16
+    # a float32 decoder on a CPU: float16 where the C kernels read it, else its own dtype
+    from kernels import compute, cpu_attention
+    c_runs = cpu_attention.available() is None
+    assert kernels.check_kv_cache_dtype("auto", cpu, model_dtype=torch.float32) == (torch.float16 if c_runs
+                                                                                    else torch.float32)
+    with compute.override(cpu_attention="torch"):
+        assert kernels.check_kv_cache_dtype("auto", cpu, model_dtype=torch.float32) == torch.float32
+    assert kernels.check_kv_cache_dtype("float32", cpu, model_dtype=torch.float32) == torch.float32
     assert kernels.check_kv_cache_dtype("float16", cpu) == torch.float16
     assert kernels.check_kv_cache_dtype("bfloat16", cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="fp8 needs a CUDA GPU with compute capability >= 8.9.*device is cpu"):

@@ -29,7 +29,8 @@ from .attention_dispatch import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-GATE_VERSION = 3               # 3: float32 and bf16 activations summed through int16 (gemv_w8_f32 / gemv_w8_bf16)
+GATE_VERSION = 4               # 3: float32 and bf16 activations summed through int16 (gemv_w8_f32 / gemv_w8_bf16);
+                               # 4: the greedy runs over the engine's default cache (float16 under float32)
 TIE = 0.5                  # native-logit gap under which two greedy choices are a near-tie
 MAX_PPL_RATIO = 1.01
 NEW_TOKENS = 32

@@ -129,7 +129,7 @@ def _one(eng, prompt: list[int], params) -> dict:
 
 
 def ours_single_stream(path: Path, tok, dtype: str, decode_weights: str, prompt: list[int], runs: int,
-                       new_tokens: int = NEW_TOKENS, threads: int = THREADS) -> dict:
+                       new_tokens: int = NEW_TOKENS, threads: int = THREADS, kv_cache_dtype: str = "auto") -> dict:
     """Our engine offline, one sequence: the model as the server loads it, prefix caching off."""
     import torch
 
@@ -148,7 +148,7 @@ def ours_single_stream(path: Path, tok, dtype: str, decode_weights: str, prompt:
             return {"not_run": str(exc)}
         need = len(prompt) + new_tokens
         cfg = DecodeConfig(block_size=16, max_model_len=max(2048, need), max_num_batched_tokens=2048, max_num_seqs=1,
-                           enable_prefix_caching=False)
+                           enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
         eng = DecodeEngine(model, tok, cfg, num_blocks=max(64, -(-need // 16) + 2))
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         _one(eng, prompt, params)                   # warm-up
@@ -158,7 +158,8 @@ def ours_single_stream(path: Path, tok, dtype: str, decode_weights: str, prompt:
     ids = [r.pop("ids") for r in rs][-1]
     eos = set(model.cfg.eos_token_ids)
     return {**summarize(rs, new_tokens), "ids": ids, "eos_in_output": sum(t in eos for t in ids),
-            "threads": threads, "detail": rs}
+            "threads": threads, "kv_cache_dtype": str(eng.runner.kv_caches[0][0].dtype).removeprefix("torch."),
+            "detail": rs}
 
 
 def llamacpp_single_stream(gguf: Path, prompt: list[int], runs: int, work: Path, new_tokens: int = NEW_TOKENS,
