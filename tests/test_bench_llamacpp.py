@@ -47,8 +47,10 @@ def _ours(tps: float) -> dict:
 
 def test_a_missing_llamacpp_is_reported_not_run_and_rendered(monkeypatch, tmp_path):
     fake_tok = lambda text: SimpleNamespace(input_ids=list(range(len(text.split()))))      # noqa: E731
-    monkeypatch.setattr(llamacpp, "ours_single_stream",
-                        lambda path, tok, dtype, weights, prompt, runs, new_tokens=128: _ours(25.0 if weights == "native" else 40.0))
+    def ours(path, tok, dtype, weights, prompt, runs, new_tokens=128, kv_cache_dtype="auto"):
+        kv = "float16" if kv_cache_dtype == "auto" else kv_cache_dtype      # auto's pick under float32
+        return {**_ours(25.0 if weights == "native" else 40.0 if kv == "float16" else 32.0), "kv_cache_dtype": kv}
+    monkeypatch.setattr(llamacpp, "ours_single_stream", ours)
     monkeypatch.setattr(llamacpp, "peer_missing", lambda name: "not installed (x missing)")
     res = llamacpp.bench_single_stream(3, tmp_path, path=Path("unused"), tok=fake_tok, dtype="float32")
     assert res["prompt_tokens"] == llamacpp.PROMPT_TOKENS and res["new_tokens"] == 128
@@ -57,8 +59,18 @@ def test_a_missing_llamacpp_is_reported_not_run_and_rendered(monkeypatch, tmp_pa
     assert "decode_tokens_per_s" not in rows["llamacpp_wheel"] and rows["ours_int8"]["same_ids_as_ours_native"] == 128
     md = "\n".join(single_stream_markdown(res))
     assert "| llama.cpp | wheel's GGUF | not installed (x missing) | | | | | |" in md
-    assert "| embedserve | int8 weight-only, activations in float32 | 40.0 | 80 |  | 128 of 128 | 0.62× | 1.00× |" in md
+    assert ("| embedserve | int8 weight-only, activations in float32; float16 KV cache | 40.0 | 80 |  | 128 of 128 | "
+            "0.62× | 1.00× |") in md
+    # int8 once more over a cache in the decoder's own dtype, since auto picked another
+    assert [r["key"] for r in res["rows"]][:3] == ["ours", "ours_int8", "ours_int8_kv_native"]
+    assert ("| embedserve | int8 weight-only, activations in float32; float32 KV cache | 32.0 | 80 |  | 128 of 128 | "
+            "0.78× | 1.25× |") in md
     assert "llama.cpp's own eval timer" not in md                       # nothing llama.cpp measured
+    # a bf16 decoder's cache is bf16 under auto: no second int8 row
+    monkeypatch.setattr(llamacpp, "ours_single_stream", lambda *a, kv_cache_dtype="auto", **k: {
+        **_ours(30.0), "kv_cache_dtype": "bfloat16"})
+    res = llamacpp.bench_single_stream(3, tmp_path, path=Path("unused"), tok=fake_tok, dtype="bfloat16")
+    assert [r["key"] for r in res["rows"] if r["system"] == "embedserve"] == ["ours", "ours_int8"]
 
 
 def test_the_table_renders_a_llamacpp_that_ran():

@@ -21,7 +21,9 @@ n_threads and n_threads_batch), one warm-up and the median of `runs` runs. Time 
              4-bit file is what the issue asks for: no f16 GGUF is bundled, so this Q8_0
              approximates Q4_1's values (a symmetric 8-bit grid per 32-weight block; its greedy
              output may part from the Q4_1's), not the original weights. Its KV cache is f16
-             (llama.cpp's default), ours in dtype. Run by llamacpp_worker.py in the peer venv's python
+             (llama.cpp's default), ours as `--kv-cache-dtype auto` picks it (float16 under a
+             float32 decoder on a CPU; the int8 row is run again over a cache in the decoder's
+             dtype where that differs). Run by llamacpp_worker.py in the peer venv's python
 
 Ours, EOS ignored, may pick an EOS and go on; llama.cpp's token loop (`Llama.generate`) never
 stops at one either, so both continue the same way (the worker's docstring says why no logit_bias
@@ -193,12 +195,17 @@ def bench_single_stream(runs: int, work: Path, path: Path | None = None, tok=Non
     prompt = single_stream_prompt(tok, prompt_tokens)
     res: dict = {"prompt_tokens": len(prompt), "new_tokens": new_tokens, "threads": THREADS, "dtype": dtype,
                  "runs": runs, "rows": []}
-    for key, weights in (("ours", "native"), ("ours_int8", "int8")):
-        r = ours_single_stream(path, tok, dtype, weights, prompt, runs, new_tokens=new_tokens)
+    # the KV cache as `auto` picks it (float16 under a float32 decoder on a CPU, as llama.cpp keeps
+    # its own), and int8 once more over a cache in the decoder's dtype where that differs
+    for key, weights, kv in (("ours", "native", "auto"), ("ours_int8", "int8", "auto"),
+                             ("ours_int8_kv_native", "int8", dtype)):
+        if kv != "auto" and res["rows"][-1].get("kv_cache_dtype", kv) == kv:
+            continue
+        r = ours_single_stream(path, tok, dtype, weights, prompt, runs, new_tokens=new_tokens, kv_cache_dtype=kv)
         res["rows"].append({"key": key, "system": "embedserve", "weights": weights, **r})
         if "not_run" not in r:
-            log(f"  single stream ours {dtype} {weights}: {r['decode_tokens_per_s']:.1f} tokens/s, "
-                f"TTFT {r['ttft_ms']:.0f} ms")
+            log(f"  single stream ours {dtype} {weights}, {r['kv_cache_dtype']} KV cache: "
+                f"{r['decode_tokens_per_s']:.1f} tokens/s, TTFT {r['ttft_ms']:.0f} ms")
     src = wheel_gguf()
     missing = peer_missing("llamacpp")
     ggufs = (("llamacpp_wheel", work / src.name), ("llamacpp_q8_0", work / f"{src.name.split('.')[0]}.Q8_0.gguf"))

