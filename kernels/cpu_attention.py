@@ -83,6 +83,8 @@ def load_library(mode: str = "auto", source: Path = SOURCE) -> tuple[ctypes.CDLL
                          ("silu_mul", _SILU_ARGS)):
         mixed = _KV_SUFFIX.values() if kernel in ("paged_decode_attention", "rope_store") else ()
         for suffix in {*_SUFFIX.values(), *mixed}:
+            if suffix not in _SUFFIX.values() and not hasattr(lib, f"{kernel}_{suffix}"):
+                continue                  # another revision's build (a study's --against) without them
             fn = getattr(lib, f"{kernel}_{suffix}")
             fn.argtypes, fn.restype = args, ctypes.c_int
     lib.varlen_attention_bf16_amx.argtypes, lib.varlen_attention_bf16_amx.restype = _VARLEN_ARGS, ctypes.c_int

@@ -275,20 +275,26 @@ static inline __attribute__((always_inline)) void VALUES(                       
         const T *v_cache, const int64_t *rows, int64_t cnt, int64_t hoff, const int jn,              \
         const int64_t hd, const float *p, int64_t ld, float *acc) {                                 \
     const int64_t NV = hd / VW;                                                                     \
-    vec a[4][MAX_HD / VW];                                                                          \
-    for (int j = 0; j < jn; j++)                                                                    \
-        for (int64_t u = 0; u < NV; u++) a[j][u] = f32_vec(acc + j * hd + u * VW);                  \
-    for (int64_t i = 0; i < cnt; i++) {                                                             \
-        const T *vr = v_cache + rows[i] + hoff;                                                     \
-        vec vv[MAX_HD / VW];                                                                        \
-        for (int64_t u = 0; u < NV; u++) vv[u] = VLOAD(vr + u * VW);                                \
-        for (int j = 0; j < jn; j++) {                                                              \
-            const float w = p[j * ld + i];                                                          \
-            for (int64_t u = 0; u < NV; u++) a[j][u] += w * vv[u];                                  \
+    /* columns in passes of CV vectors, so that jn x CV accumulators, CV value vectors and the     \
+     * weight stay in registers (all hd at once, 3 heads x 8 ymm accumulators spilled on AVX2);    \
+     * each element's sum runs over the keys in the same order either way */                     \
+    const int64_t CV = (VW == 16 || jn <= 2) && NV % 4 == 0 ? 4 : 2;                                \
+    for (int64_t u0 = 0; u0 < NV; u0 += CV) {                                                       \
+        vec a[4][4];                                                                                \
+        for (int j = 0; j < jn; j++)                                                                \
+            for (int64_t u = 0; u < CV; u++) a[j][u] = f32_vec(acc + j * hd + (u0 + u) * VW);       \
+        for (int64_t i = 0; i < cnt; i++) {                                                         \
+            const T *vr = v_cache + rows[i] + hoff + u0 * VW;                                       \
+            vec vv[4];                                                                              \
+            for (int64_t u = 0; u < CV; u++) vv[u] = VLOAD(vr + u * VW);                            \
+            for (int j = 0; j < jn; j++) {                                                          \
+                const float w = p[j * ld + i];                                                      \
+                for (int64_t u = 0; u < CV; u++) a[j][u] += w * vv[u];                              \
+            }                                                                                       \
         }                                                                                           \
+        for (int j = 0; j < jn; j++)                                                                \
+            for (int64_t u = 0; u < CV; u++) *(vec *)(acc + j * hd + (u0 + u) * VW) = a[j][u];      \
     }                                                                                               \
-    for (int j = 0; j < jn; j++)                                                                    \
-        for (int64_t u = 0; u < NV; u++) *(vec *)(acc + j * hd + u * VW) = a[j][u];                 \
 }
 
 /* CALL for every group of up to 4 query heads (jn of them, a constant) of KV heads h0 .. h0 + nk */
@@ -306,6 +312,16 @@ static inline __attribute__((always_inline)) void VALUES(                       
 
 /* the offset in a cache of token t's row (all KV heads) through the block table */
 #define TOKEN_ROW(t) (((int64_t)table[(t) / block_size] * block_size + (t) % block_size) * row)
+/* the rows of keys c .. c + cnt (c a multiple of VW, as every chunk's start is): one block-table
+ * lookup where whole chunks lie in a block (block_size a multiple of VW), else one per key (a
+ * 64-bit division each, which was ~a third of a key's time in a long context on AVX2) */
+#define CHUNK_ROWS(c, cnt)                                                                          \
+    if (block_size % VW == 0) {                                                                     \
+        const int64_t base_ = TOKEN_ROW(c);                                                         \
+        for (int64_t i = 0; i < (cnt); i++) rows[i] = base_ + i * row;                              \
+    } else {                                                                                        \
+        for (int64_t i = 0; i < (cnt); i++) rows[i] = TOKEN_ROW((c) + i);                           \
+    }
 /* chunks prefetched ahead: 1, 2 and 4 measured alike from memory (study paged_decode) */
 #define PF_DIST 2
 /* the fewest keys (of the longest sequence) for which the kernel splits them between threads */
@@ -313,9 +329,13 @@ static inline __attribute__((always_inline)) void VALUES(                       
 /* software prefetch of the K or V rows of keys c .. c + VW (those past n skipped) for KV heads
  * h0 .. h0 + nk: a row's part is nk hd contiguous elements */
 #define PREFETCH_CHUNK(CACHE, T, c)                                                                 \
-    for (int64_t t_ = (c); t_ < n && t_ < (c) + VW; t_++) {                                        \
-        const char *r_ = (const char *)((CACHE) + TOKEN_ROW(t_) + h0 * hd);                         \
-        for (int64_t b_ = 0; b_ < (int64_t)sizeof(T) * nk * hd; b_ += 64) __builtin_prefetch(r_ + b_, 0, 3); \
+    {                                                                                               \
+        const int64_t c_ = (c), one_ = block_size % VW == 0;                                        \
+        const int64_t base_ = one_ && c_ < n ? TOKEN_ROW(c_) : 0;                                   \
+        for (int64_t t_ = c_; t_ < n && t_ < c_ + VW; t_++) {                                       \
+            const char *r_ = (const char *)((CACHE) + (one_ ? base_ + (t_ - c_) * row : TOKEN_ROW(t_)) + h0 * hd); \
+            for (int64_t b_ = 0; b_ < (int64_t)sizeof(T) * nk * hd; b_ += 64) __builtin_prefetch(r_ + b_, 0, 3); \
+        }                                                                                           \
     }
 
 /* KV heads h0 .. h0 + nk of one sequence, g query heads each: the scores of every head (keys a
@@ -351,7 +371,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t c = t0; c < t0 + PF_DIST * VW; c += VW) PREFETCH_CHUNK(k_cache, TC, c)              \
     for (int64_t c = t0; c < n; c += VW) {                                                          \
         const int64_t cnt = n - c < VW ? n - c : VW;                                                \
-        for (int64_t i = 0; i < cnt; i++) rows[i] = TOKEN_ROW(c + i);                              \
+        CHUNK_ROWS(c, cnt)                                                                          \
         PREFETCH_CHUNK(k_cache, TC, c + PF_DIST * VW)                                                \
         FOR_GROUPS(SCORES(k_cache, rows, cnt, hoff, jn, hd, scale, qf + j * hd, p + j * Lp + c - t0, Lp)) \
     }                                                                                               \
@@ -371,7 +391,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                               \
     for (int64_t c = t0; c < n; c += VW) {                                                          \
         const int64_t cnt = n - c < VW ? n - c : VW;                                                \
-        for (int64_t i = 0; i < cnt; i++) rows[i] = TOKEN_ROW(c + i);                              \
+        CHUNK_ROWS(c, cnt)                                                                          \
         PREFETCH_CHUNK(v_cache, TC, c + PF_DIST * VW)                                                \
         FOR_GROUPS(VALUES(v_cache, rows, cnt, hoff, jn, hd, p + j * Lp + c - t0, Lp, acc + j * hd)) \
     }                                                                                               \

@@ -39,13 +39,13 @@ def _library(source: Path):
     return lib
 
 
-def _case(batch: int, lo: int, hi: int, dtype: torch.dtype, seed: int = 0):
+def _case(batch: int, lo: int, hi: int, dtype: torch.dtype, seed: int = 0, kv_dtype: torch.dtype | None = None):
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randint(lo, hi + 1, (batch,), generator=gen, dtype=torch.int32)
     blocks = [(int(n) + BS - 1) // BS for n in ctx]
     total = sum(blocks) + 4
-    k = torch.randn(total, BS, KVH, HD, generator=gen).to(dtype)
-    v = torch.randn(total, BS, KVH, HD, generator=gen).to(dtype)
+    k = torch.randn(total, BS, KVH, HD, generator=gen).to(kv_dtype or dtype)
+    v = torch.randn(total, BS, KVH, HD, generator=gen).to(kv_dtype or dtype)
     perm = torch.randperm(total, generator=gen).to(torch.int32)
     tables = torch.zeros(batch, max(blocks), dtype=torch.int32)
     at = 0
@@ -56,15 +56,21 @@ def _case(batch: int, lo: int, hi: int, dtype: torch.dtype, seed: int = 0):
     return q, k, v, tables, ctx
 
 
-def _layers(batch: int, lo: int, hi: int, dtype: torch.dtype, layers: int) -> list[tuple]:
+def _layers(batch: int, lo: int, hi: int, dtype: torch.dtype, layers: int,
+            kv_dtype: torch.dtype | None = None) -> list[tuple]:
     """`layers` cases of the same shapes, each with its own caches (as a model's layers have): a
     pass over them reads K/V from memory, not from a cache level that one layer's would fit in."""
-    return [_case(batch, lo, hi, dtype, seed=i) for i in range(layers)]
+    return [_case(batch, lo, hi, dtype, seed=i, kv_dtype=kv_dtype) for i in range(layers)]
+
+
+def _symbol(q, k) -> str:
+    """The C kernel of q's and the cache's dtypes (cpu_attention's table)."""
+    return "paged_decode_attention_" + cpu_attention._KV_SUFFIX[q.dtype, k.dtype]
 
 
 def _call(lib, q, k, v, tables, ctx) -> torch.Tensor:
     out = torch.empty_like(q)
-    fn = getattr(lib, "paged_decode_attention_" + ("bf16" if q.dtype == torch.bfloat16 else "f32"))  # the C symbols
+    fn = getattr(lib, _symbol(q, k))
     rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
             out.data_ptr(), q.shape[0], NH, KVH, HD, BS, ctypes.c_float(HD ** -0.5), torch.get_num_threads())
     assert rc == 0, rc
@@ -80,13 +86,17 @@ def run(against: str | None, rounds: int, reps: int, layers: int) -> list[dict]:
         old.write_bytes(text)
         libs[against] = _library(old)
     rows = []
-    for dtype in (torch.bfloat16, torch.float32):
+    # (activations, cache): bf16, fp32, and fp32 over the float16 cache `auto` gives a float32 decoder
+    for dtype, kv_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                            (torch.float32, torch.float16)):
         for batch, lo, hi in CASES:
-            cases = _layers(batch, lo, hi, dtype, layers)
+            cases = _layers(batch, lo, hi, dtype, layers, kv_dtype)
             q, k, v, tables, ctx = cases[0]
             exact = reference.paged_decode_attention(q.float(), k.float(), v.float(), tables, ctx, HD ** -0.5).double()
-            fns = {name: (lambda c, lib=lib: _call(lib, *c)) for name, lib in libs.items()}
-            fns["torch reference"] = lambda c: reference.paged_decode_attention(*c, HD ** -0.5)
+            fns = {name: (lambda c, lib=lib: _call(lib, *c)) for name, lib in libs.items()
+                   if hasattr(lib, _symbol(q, k))}            # an older build may lack the mixed kernels
+            fns["torch reference"] = lambda c: reference.paged_decode_attention(c[0], c[1].to(c[0].dtype),
+                                                                                c[2].to(c[0].dtype), *c[3:], HD ** -0.5)
             times: dict[str, list[float]] = {name: [] for name in fns}
             for _ in range(rounds):                     # alternated, so drift hits every variant alike
                 for name, fn in fns.items():
@@ -97,7 +107,9 @@ def run(against: str | None, rounds: int, reps: int, layers: int) -> list[dict]:
                             fn(c)
                     times[name].append((time.perf_counter() - t0) / reps / layers * 1e3)
             for name, fn in fns.items():
-                rows.append({"dtype": str(dtype).removeprefix("torch."), "sequences": batch,
+                rows.append({"dtype": str(dtype).removeprefix("torch.") + (
+                                 f" / {str(kv_dtype).removeprefix('torch.')} cache" if kv_dtype != dtype else ""),
+                             "sequences": batch,
                              "context": f"{lo}-{hi}", "kernel": name, "median_ms": statistics.median(times[name]),
                              "max_abs_err": float((fn(cases[0]).double() - exact).abs().max())})
     return rows
@@ -111,7 +123,8 @@ def markdown(rows: list[dict]) -> str:
     for key in keys:
         cells = {r["kernel"]: r for r in rows if (r["dtype"], r["sequences"], r["context"]) == key}
         out.append(f"| {key[0]} | {key[1]} | {key[2]} | "
-                   + " | ".join(f"{cells[k]['median_ms']:.3f} (err {cells[k]['max_abs_err']:.1e})" for k in kernels) + " |")
+                   + " | ".join(f"{cells[k]['median_ms']:.3f} (err {cells[k]['max_abs_err']:.1e})" if k in cells
+                                else "–" for k in kernels) + " |")
     return "\n".join(out)
 
 
