@@ -82,7 +82,6 @@ class KVCachePlan:
     max_model_len: int
     kv_dtype: str = ""
 
-
     @property
     def kv_tokens(self) -> int:
         return self.num_blocks * self.block_size

@@ -111,6 +111,12 @@ _KV_SUFFIX = {(torch.float32, torch.float32): "f32", (torch.bfloat16, torch.bflo
               (torch.float32, torch.bfloat16): "f32_kvbf16", (torch.float32, torch.float16): "f32_kvf16"}
 
 
+def kv_kernel_suffix(dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+    """The suffix of the cache kernels' C symbols (`paged_decode_attention_f32_kvf16`) for
+    activations in `dtype` over a cache in `kv_dtype`, or None where no kernel takes the pair."""
+    return _KV_SUFFIX.get((dtype, kv_dtype))
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """The shapes and dtypes the kernel takes (else the caller keeps the torch path)."""
     nh, hd = q.shape[1], q.shape[2]

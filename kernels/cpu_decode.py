@@ -105,7 +105,7 @@ class DecodeLayers:
         kinds = (0, 1) if self.dtype == torch.float32 else (1, 2)
         if self.dtype not in _FNS or any(t.dtype != self.dtype for t in norms) \
                 or any(lin.kind not in kinds for lin in linears) \
-                or (self.dtype, self.kv_dtype) not in cpu_attention._KV_SUFFIX \
+                or cpu_attention.kv_kernel_suffix(self.dtype, self.kv_dtype) is None \
                 or any(c.dtype != self.kv_dtype for kv in kv_caches for c in kv):
             raise ValueError("the one-call step takes float32 with fp32 or int8 linears and a float32, bfloat16 or "
                              "float16 cache, or bfloat16 with int8 or bf16 linears and a bfloat16 cache; norms in "

@@ -94,9 +94,10 @@ def server_index_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(e5_dir, server_index_dir):
-    """The real server on a free port with the default models (float32 and native decode weights: tests compare with fp32
-    references), shared by the SDK, client, compatibility and examples tests."""
-    with spawn_server("--dtype", "float32", "--decode-weights", "native", "--max-batch-tokens", "4096", "--log-level", "warning",
+    """The real server on a free port with the default models (float32, native decode weights and a float32 KV cache:
+    tests compare with fp32 references), shared by the SDK, client, compatibility and examples tests."""
+    with spawn_server("--dtype", "float32", "--decode-weights", "native", "--kv-cache-dtype", "float32",
+                      "--max-batch-tokens", "4096", "--log-level", "warning",
                       "--kv-cache-memory", "300000000", "--max-model-len", "2048",
                       "--index-dir", str(server_index_dir), timeout=180) as srv:
         yield srv.base

@@ -93,7 +93,7 @@ def test_environment_fallbacks_yield_to_flags_and_bad_values_name_the_variable()
     """EMBEDSERVE_<NAME> sets a default, the flag overrides it; a value that does not convert is
     refused at start-up naming the variable (never a traceback, never a silent default)."""
     env = dict(os.environ, EMBEDSERVE_MAX_MODEL_LEN="1024", EMBEDSERVE_KV_CACHE_MEMORY="100000000",
-               EMBEDSERVE_DTYPE="float32")
+               EMBEDSERVE_DTYPE="float32", EMBEDSERVE_KV_CACHE_DTYPE="float32")
     r = _run("plan", env=env)
     assert r.returncode == 0, r.stderr
     assert "Maximum concurrency for 1024 tokens per request: 2.11x" in r.stdout     # 2160 / 1024

@@ -65,7 +65,7 @@ def _layers(batch: int, lo: int, hi: int, dtype: torch.dtype, layers: int,
 
 def _symbol(q, k) -> str:
     """The C kernel of q's and the cache's dtypes (cpu_attention's table)."""
-    return "paged_decode_attention_" + cpu_attention._KV_SUFFIX[q.dtype, k.dtype]
+    return "paged_decode_attention_" + cpu_attention.kv_kernel_suffix(q.dtype, k.dtype)
 
 
 def _call(lib, q, k, v, tables, ctx) -> torch.Tensor:
