@@ -81,15 +81,17 @@ class GateReport:
     version: int = GATE_VERSION
 
 
-def sequence_logits(model, ids: list[int], last_only: bool = False) -> torch.Tensor:
-    """(len(ids), V) float32 logits of one sequence in one prefill, on a KV pool of its own
-    (`last_only`: the last position's only, (1, V))."""
+def sequence_logits(model, ids: list[int], last_only: bool = False, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(len(ids), V) float32 logits of one sequence in one prefill, on a KV pool of its own in
+    `kv_dtype` (default the model's; attention reads it back) (`last_only`: the last position's
+    only, (1, V))."""
     cfg = model.cfg
     bs = 16
     nb = -(-len(ids) // bs)
     shape = (nb, bs, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
-               torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in range(cfg.num_hidden_layers)]
+    kv_dtype = kv_dtype or model.dtype
+    caches = [(torch.zeros(shape, dtype=kv_dtype, device=model.device),
+               torch.zeros(shape, dtype=kv_dtype, device=model.device)) for _ in range(cfg.num_hidden_layers)]
     T = len(ids)
     dev = model.device
     meta = AttentionMetadata(slot_mapping=torch.arange(T, device=dev),
@@ -101,23 +103,23 @@ def sequence_logits(model, ids: list[int], last_only: bool = False) -> torch.Ten
     return model.logits(hidden[-1:] if last_only else hidden)
 
 
-def perplexity(model, texts_ids: list[list[int]]) -> float:
+def perplexity(model, texts_ids: list[list[int]], kv_dtype: torch.dtype | None = None) -> float:
     nll, n = 0.0, 0
     for ids in texts_ids:
-        logp = torch.log_softmax(sequence_logits(model, ids)[:-1], dim=-1)
+        logp = torch.log_softmax(sequence_logits(model, ids, kv_dtype=kv_dtype)[:-1], dim=-1)
         target = torch.tensor(ids[1:], device=logp.device)
         nll -= float(logp.gather(1, target[:, None]).sum())
         n += len(ids) - 1
     return math.exp(nll / n)
 
 
-def greedy(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def greedy(model, tokenizer, prompts: list[list[int]], new_tokens: int, kv_cache_dtype: str = "auto") -> list[list[int]]:
     from ..config import DecodeConfig
     from ..engine.decode_engine import DecodeEngine
     from ..engine.sequence import SamplingParams
     longest = max(map(len, prompts)) + new_tokens
     eng = DecodeEngine(model, tokenizer, DecodeConfig(block_size=16, max_model_len=longest, max_num_batched_tokens=512,
-                                                      max_num_seqs=len(prompts)),
+                                                      max_num_seqs=len(prompts), kv_cache_dtype=kv_cache_dtype),
                        num_blocks=len(prompts) * (-(-longest // 16)))
     seqs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
