@@ -314,7 +314,7 @@ static inline __attribute__((always_inline)) void VALUES(                       
 #define TOKEN_ROW(t) (((int64_t)table[(t) / block_size] * block_size + (t) % block_size) * row)
 /* the rows of keys c .. c + cnt (c a multiple of VW, as every chunk's start is): one block-table
  * lookup where whole chunks lie in a block (block_size a multiple of VW), else one per key (a
- * 64-bit division each, which was ~a third of a key's time in a long context on AVX2) */
+ * 64-bit division each) */
 #define CHUNK_ROWS(c, cnt)                                                                          \
     if (block_size % VW == 0) {                                                                     \
         const int64_t base_ = TOKEN_ROW(c);                                                         \
