@@ -125,6 +125,16 @@ def greedy(model, tokenizer, prompts: list[list[int]], new_tokens: int, kv_cache
     return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
 
 
+def first_parting(model, prompt: list[int], ref: list[int], got: list[int]) -> tuple[int, float] | None:
+    """Where the greedy continuation `got` of `prompt` first parts from `ref`, and `model`'s logit
+    gap there between ref's token and got's; None where they agree."""
+    t = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), None)
+    if t is None:
+        return None
+    logits = sequence_logits(model, prompt + ref[:t], last_only=True)[0]
+    return t, float(logits[ref[t]] - logits[got[t]])
+
+
 def run_gate(native, int8, tokenizer, new_tokens: int = NEW_TOKENS) -> GateReport:
     """Compare `int8` with `native` (two LlamaModels of the same weights) on the held-out
     prompts and texts."""
@@ -135,13 +145,12 @@ def run_gate(native, int8, tokenizer, new_tokens: int = NEW_TOKENS) -> GateRepor
     worst, same = 0.0, []
     failure = ""
     for p, a, b in zip(prompts, ref, got):
-        t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        same.append(len(a) if t is None else t)
-        if t is None:
+        part = first_parting(native, p, a, b)
+        same.append(len(a) if part is None else part[0])
+        if part is None:
             equal += 1
             continue
-        logits = sequence_logits(native, p + a[:t], last_only=True)[0]
-        gap = float(logits[a[t]] - logits[b[t]])
+        t, gap = part
         worst = max(worst, gap)
         if gap <= TIE:
             ties += 1

@@ -49,12 +49,9 @@ def study(model_name: str, new_tokens: int) -> dict:
             ppl = int8_gate.perplexity(model, texts, kv_dtype=getattr(torch, kv))
             ppl_ref = ppl_ref or ppl
             got = ref if kv == "float32" else int8_gate.greedy(model, tok, prompts, new_tokens, kv_cache_dtype=kv)
-            parts = []
-            for p, a, b in zip(prompts, ref, got):
-                t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                if t is not None:
-                    logits = int8_gate.sequence_logits(model, p + a[:t], last_only=True, kv_dtype=torch.float32)[0]
-                    parts.append({"step": t, "gap": float(logits[a[t]] - logits[b[t]])})
+            # the gap by the model over its own (float32) cache
+            parts = [{"step": part[0], "gap": part[1]} for p, a, b in zip(prompts, ref, got)
+                     if (part := int8_gate.first_parting(model, p, a, b)) is not None]
             rows.append({"weights": weights, "kv_cache_dtype": kv, "perplexity": ppl,
                          "perplexity_change_pct": 100 * (ppl / ppl_ref - 1), "prompts": len(prompts),
                          "same_tokens": len(prompts) - len(parts), "parts": parts})
