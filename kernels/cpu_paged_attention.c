@@ -92,6 +92,18 @@ static inline vec f16_vec(const uint16_t *p) {        /* VW halves -> floats, ex
 #endif
 }
 typedef int32_t ivec __attribute__((vector_size(VW * 4)));
+/* a * b + c as one fused instruction where the CPU has FMA: a chain of these stays a chain (with
+ * -ffast-math GCC turned a dot product's chain of `+=` into a tree of multiplies and adds, a
+ * third more instructions in the decode attention's scores) */
+static inline vec fma_vec(vec a, vec b, vec c) {
+#if VW == 16
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
 
 /* e^x for x <= 0 in float32 (softmax terms), VW at a time: 2^n e^r with n = round(x / ln 2),
  * r = x - n ln 2 (in two parts), e^r by its Taylor series to r^6 (|r| <= ln 2 / 2: error < 2e-7);
@@ -228,6 +240,14 @@ static inline vec sum_lanes(const vec *x) {
              + __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif defined(__AVX__)
+    /* AVX: horizontal adds pair neighbours within each 128-bit half; two rounds leave every
+     * vector's sum split between the halves, and one cross-half add joins them (9 instructions,
+     * where GCC's lowering of the generic tree below took ~40) */
+    const __m256 t0 = _mm256_hadd_ps((__m256)x[0], (__m256)x[1]), t1 = _mm256_hadd_ps((__m256)x[2], (__m256)x[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)x[4], (__m256)x[5]), t3 = _mm256_hadd_ps((__m256)x[6], (__m256)x[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return (vec)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 #else
     vec y[4], z[2];
     for (int i = 0; i < 4; i++)
@@ -261,12 +281,9 @@ static inline __attribute__((always_inline)) void SCORES(                       
         for (int64_t u = 0; u < NV; u++) kv[u] = VLOAD(kr + u * VW);                                \
         for (int j = 0; j < jn; j++) {                                                              \
             const float *qj = qf + j * hd;                                                          \
-            vec a0 = f32_vec(qj) * kv[0], a1 = f32_vec(qj + VW) * kv[1];                            \
-            for (int64_t u = 2; u < NV; u += 2) {                                                   \
-                a0 += f32_vec(qj + u * VW) * kv[u];                                                 \
-                a1 += f32_vec(qj + (u + 1) * VW) * kv[u + 1];                                       \
-            }                                                                                       \
-            part[j][i] = a0 + a1;                                                                   \
+            vec a = f32_vec(qj) * kv[0];                                                            \
+            for (int64_t u = 1; u < NV; u++) a = fma_vec(f32_vec(qj + u * VW), kv[u], a);            \
+            part[j][i] = a;                                                                         \
         }                                                                                           \
     }                                                                                               \
     for (int j = 0; j < jn; j++) *(vec *)(p + j * ld) = sum_lanes(part[j]) * scale;                 \
@@ -275,21 +292,22 @@ static inline __attribute__((always_inline)) void VALUES(                       
         const T *v_cache, const int64_t *rows, int64_t cnt, int64_t hoff, const int jn,              \
         const int64_t hd, const float *p, int64_t ld, float *acc) {                                 \
     const int64_t NV = hd / VW;                                                                     \
-    /* columns in passes of CV vectors, so that jn x CV accumulators, CV value vectors and the     \
-     * weight stay in registers (all hd at once, 3 heads x 8 ymm accumulators spilled on AVX2);    \
+    /* columns in passes of CV vectors, so that jn x CV accumulators, jn weights and one value     \
+     * vector stay in registers (3 heads x 4 on AVX2: 12 + 3 + 1 of 16 ymm; all hd at once had     \
+     * spilled, and 2-vector passes did every weight's broadcast and row lookup four times per key);\
      * each element's sum runs over the keys in the same order either way */                     \
-    const int64_t CV = (VW == 16 || jn <= 2) && NV % 4 == 0 ? 4 : 2;                                \
+    const int64_t CV = (VW == 16 || jn <= 3) && NV % 4 == 0 ? 4 : 2;                                \
     for (int64_t u0 = 0; u0 < NV; u0 += CV) {                                                       \
         vec a[4][4];                                                                                \
         for (int j = 0; j < jn; j++)                                                                \
             for (int64_t u = 0; u < CV; u++) a[j][u] = f32_vec(acc + j * hd + (u0 + u) * VW);       \
         for (int64_t i = 0; i < cnt; i++) {                                                         \
             const T *vr = v_cache + rows[i] + hoff + u0 * VW;                                       \
-            vec vv[4];                                                                              \
-            for (int64_t u = 0; u < CV; u++) vv[u] = VLOAD(vr + u * VW);                            \
-            for (int j = 0; j < jn; j++) {                                                          \
-                const float w = p[j * ld + i];                                                      \
-                for (int64_t u = 0; u < CV; u++) a[j][u] += w * vv[u];                              \
+            vec w[4];                                                                               \
+            for (int j = 0; j < jn; j++) w[j] = (vec){0} + p[j * ld + i];                           \
+            for (int64_t u = 0; u < CV; u++) {                                                      \
+                const vec vv = VLOAD(vr + u * VW);                                                  \
+                for (int j = 0; j < jn; j++) a[j][u] = fma_vec(w[j], vv, a[j][u]);                  \
             }                                                                                       \
         }                                                                                           \
         for (int j = 0; j < jn; j++)                                                                \
@@ -329,12 +347,27 @@ static inline __attribute__((always_inline)) void VALUES(                       
 /* software prefetch of the K or V rows of keys c .. c + VW (those past n skipped) for KV heads
  * h0 .. h0 + nk: a row's part is nk hd contiguous elements */
 #define PREFETCH_CHUNK(CACHE, T, c)                                                                 \
-    {                                                                                               \
-        const int64_t c_ = (c), one_ = block_size % VW == 0;                                        \
-        const int64_t base_ = one_ && c_ < n ? TOKEN_ROW(c_) : 0;                                   \
-        for (int64_t t_ = c_; t_ < n && t_ < c_ + VW; t_++) {                                       \
-            const char *r_ = (const char *)((CACHE) + (one_ ? base_ + (t_ - c_) * row : TOKEN_ROW(t_)) + h0 * hd); \
-            for (int64_t b_ = 0; b_ < (int64_t)sizeof(T) * nk * hd; b_ += 64) __builtin_prefetch(r_ + b_, 0, 3); \
+    if ((c) < n) {                                                                                  \
+        const int64_t c_ = (c), e_ = n - c_ < VW ? n - c_ : VW;                                     \
+        const int64_t lines_ = ((int64_t)sizeof(T) * nk * hd + 63) / 64;                            \
+        if (block_size % VW == 0) {  /* the chunk's rows at a fixed stride, and the usual 2 lines \
+                                        a row (hd 64, 16-bit, one KV head) without an inner loop: \
+                                        the loops per key had been a sixth of the instructions */ \
+            const char *r_ = (const char *)((CACHE) + TOKEN_ROW(c_) + h0 * hd);                     \
+            const int64_t stride_ = (int64_t)sizeof(T) * row;                                       \
+            if (lines_ == 2)                                                                        \
+                for (int64_t t_ = 0; t_ < e_; t_++, r_ += stride_) {                                \
+                    __builtin_prefetch(r_, 0, 3);                                                   \
+                    __builtin_prefetch(r_ + 64, 0, 3);                                              \
+                }                                                                                   \
+            else                                                                                    \
+                for (int64_t t_ = 0; t_ < e_; t_++, r_ += stride_)                                  \
+                    for (int64_t l_ = 0; l_ < lines_; l_++) __builtin_prefetch(r_ + l_ * 64, 0, 3); \
+        } else {                                                                                    \
+            for (int64_t t_ = c_; t_ < c_ + e_; t_++) {                                             \
+                const char *r_ = (const char *)((CACHE) + TOKEN_ROW(t_) + h0 * hd);                 \
+                for (int64_t l_ = 0; l_ < lines_; l_++) __builtin_prefetch(r_ + l_ * 64, 0, 3);     \
+            }                                                                                       \
         }                                                                                           \
     }
 
@@ -409,12 +442,14 @@ static inline __attribute__((always_inline)) void NAME(                         
 }
 
 /* returns 0, or a negative code: -1 a shape past MAX_G / MAX_HD, -2 out of memory.
- * Tasks: a whole sequence (all its KV heads) where there are sequences enough for the threads,
- * else one (sequence, KV head), so that one long sequence still uses them all; and where even
- * those are fewer than twice the threads (one sequence of SmolLM2: 3 KV heads on 2 threads, one
- * of which did two), each one's keys in 2 x threads splits of whole 16-key runs, merged after
- * (flash-decoding: the splits' sums rescaled to the largest max). One sequence of 1,900 tokens,
- * fp32, 2 AVX2 cores: BENCHMARKS.md ("RAG-sized prompt"). */
+ * Tasks: a whole sequence (all its KV heads) where there are sequences enough for the threads;
+ * fewer sequences than twice the threads, with SPLIT_MIN_KEYS keys or more, each one's keys in
+ * splits of whole 16-key runs (at least 2 x threads tasks in all), still all its KV heads a task,
+ * merged after (flash-decoding: the splits' sums rescaled to the largest max); else one
+ * (sequence, KV head), so that a few short sequences still use every thread. A task reads whole
+ * token rows of the cache (all KV heads): one long sequence from memory was 1.1-1.3x faster than
+ * with a task per (KV head, split) striding over a third of each row (2 AVX2 cores, float16
+ * cache). One sequence of 1,900 tokens, fp32, 2 AVX2 cores: BENCHMARKS.md ("RAG-sized prompt"). */
 #define DEFINE_KERNEL(NAME, ATTEND, ATTEND_HEADS, T, STORE, TC)                                      \
 int NAME(const T *q, const TC *k_cache, const TC *v_cache, const int32_t *block_tables,             \
          int64_t bt_stride, const int32_t *context_lens, T *out, int64_t num_seqs, int64_t nh,       \
@@ -422,10 +457,11 @@ int NAME(const T *q, const TC *k_cache, const TC *v_cache, const int32_t *block_
     const int64_t g = nh / kvh;                                                                     \
     if (g > MAX_G || hd > MAX_HD || g * kvh != nh) return -1;                                       \
     const int vec_path = hd >= 2 * VW && hd % (2 * VW) == 0;                                        \
-    const int64_t per = vec_path && num_seqs >= 2 * num_threads ? kvh : 1, tasks = kvh / per;       \
     int64_t max_n = 0;                                                                              \
     for (int64_t s = 0; s < num_seqs; s++) max_n = context_lens[s] > max_n ? context_lens[s] : max_n; \
-    int64_t S = vec_path && num_seqs * tasks < 2 * num_threads && max_n >= SPLIT_MIN_KEYS ? 2 * num_threads : 1; \
+    const int split = vec_path && num_seqs < 2 * num_threads && max_n >= SPLIT_MIN_KEYS;            \
+    const int64_t per = vec_path && (num_seqs >= 2 * num_threads || split) ? kvh : 1, tasks = kvh / per; \
+    int64_t S = split ? (2 * num_threads + num_seqs - 1) / num_seqs : 1;                            \
     float *parts = S > 1 ? (float *)malloc(sizeof(float) * (size_t)(num_seqs * nh * S * (hd + 2))) : NULL; \
     if (!parts) S = 1;                                                                              \
     const int64_t Lp = (max_n + VW - 1) / VW * VW;                                                  \

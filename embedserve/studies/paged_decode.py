@@ -98,14 +98,21 @@ def run(against: str | None, rounds: int, reps: int, layers: int) -> list[dict]:
             fns["torch reference"] = lambda c: reference.paged_decode_attention(c[0], c[1].to(c[0].dtype),
                                                                                 c[2].to(c[0].dtype), *c[3:], HD ** -0.5)
             times: dict[str, list[float]] = {name: [] for name in fns}
-            for _ in range(rounds):                     # alternated, so drift hits every variant alike
-                for name, fn in fns.items():
-                    fn(cases[-1])
-                    t0 = time.perf_counter()
-                    for _ in range(reps):
-                        for c in cases:                 # a decode step's pass over the layers
-                            fn(c)
-                    times[name].append((time.perf_counter() - t0) / reps / layers * 1e3)
+            # the kernels alternated round by round, so drift hits them alike; the torch reference
+            # after them, not between: its OpenMP pool (torch ships its own libgomp) spins on the
+            # cores after each call, and the kernel run next had paid for it (1-sequence short
+            # cases 20-50 % slower, whichever build ran there)
+            kernels = [name for name in fns if name != "torch reference"]
+            for group in (kernels, ["torch reference"]):
+                for _ in range(rounds):
+                    for name in group:
+                        fn = fns[name]
+                        fn(cases[-1])
+                        t0 = time.perf_counter()
+                        for _ in range(reps):
+                            for c in cases:             # a decode step's pass over the layers
+                                fn(c)
+                        times[name].append((time.perf_counter() - t0) / reps / layers * 1e3)
             for name, fn in fns.items():
                 rows.append({"dtype": str(dtype).removeprefix("torch.") + (
                                  f" / {str(kv_dtype).removeprefix('torch.')} cache" if kv_dtype != dtype else ""),
