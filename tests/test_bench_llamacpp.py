@@ -112,6 +112,26 @@ def test_only_generation_merges_its_section_and_keeps_the_rest(tmp_path, monkeyp
     assert "old" in (tmp_path / "BENCHMARKS.md").read_text()   # no full run in the file: left as it was
 
 
+def test_only_generation_into_a_whole_run_recomputes_its_ceiling(tmp_path, monkeypatch):
+    """Merged into a whole run's result, the generation section brings a new ceiling (its decoder
+    row is the section's one stream against the copy bandwidth), and the whole markdown goes to
+    BENCHMARKS.md; the embeddings are kept."""
+    import embedserve.studies.compare as compare
+    (tmp_path / "BENCHMARKS.md").write_text("<!-- make-bench:begin -->\nold\n<!-- make-bench:end -->\n")
+    monkeypatch.setattr(compare, "ROOT", tmp_path)
+    out = tmp_path / "compare.json"
+    out.write_text(json.dumps({"embeddings": {"kept": True}, "generation": {"old": True}, "ceiling": {"old": True}}))
+    seen = []
+    monkeypatch.setattr(compare, "bench_ceiling", lambda emb, gen: seen.append((emb, gen)) or {"new": True})
+    monkeypatch.setattr(compare, "markdown", lambda res: f"whole run, ceiling {res['ceiling']}")
+    section = {"ours": {"float32": {"1": {"output_tokens_per_s": 90.0}}}, "run": {"minutes": 1.0}}
+    assert compare.merge_section(out, "generation", section) == 0
+    res = json.loads(out.read_text())
+    assert seen == [({"kept": True}, section)] and res["ceiling"] == {"new": True}
+    assert res["embeddings"] == {"kept": True} and res["generation"] == section
+    assert "whole run, ceiling {'new': True}" in (tmp_path / "BENCHMARKS.md").read_text()
+
+
 def test_only_embeddings_refuses_to_overwrite_a_whole_result(tmp_path):
     import embedserve.studies.compare as compare
     out = tmp_path / "compare.json"
