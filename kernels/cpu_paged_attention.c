@@ -446,10 +446,11 @@ static inline __attribute__((always_inline)) void NAME(                         
  * fewer sequences than twice the threads, with SPLIT_MIN_KEYS keys or more, each one's keys in
  * splits of whole 16-key runs (at least 2 x threads tasks in all), still all its KV heads a task,
  * merged after (flash-decoding: the splits' sums rescaled to the largest max); else one
- * (sequence, KV head), so that a few short sequences still use every thread. A task reads whole
- * token rows of the cache (all KV heads): one long sequence from memory was 1.1-1.3x faster than
- * with a task per (KV head, split) striding over a third of each row (2 AVX2 cores, float16
- * cache). One sequence of 1,900 tokens, fp32, 2 AVX2 cores: BENCHMARKS.md ("RAG-sized prompt"). */
+ * (sequence, KV head), so that a few short sequences still use every thread (one thread: a
+ * sequence a task, never split). A task reads whole token rows of the cache (all KV heads): one
+ * long sequence from memory was 1.1-1.3x faster than with a task per (KV head, split) striding
+ * over a third of each row (2 AVX2 cores, float16 cache). One sequence of 1,900 tokens, fp32,
+ * 2 AVX2 cores: BENCHMARKS.md ("RAG-sized prompt"). */
 #define DEFINE_KERNEL(NAME, ATTEND, ATTEND_HEADS, T, STORE, TC)                                      \
 int NAME(const T *q, const TC *k_cache, const TC *v_cache, const int32_t *block_tables,             \
          int64_t bt_stride, const int32_t *context_lens, T *out, int64_t num_seqs, int64_t nh,       \
@@ -459,8 +460,9 @@ int NAME(const T *q, const TC *k_cache, const TC *v_cache, const int32_t *block_
     const int vec_path = hd >= 2 * VW && hd % (2 * VW) == 0;                                        \
     int64_t max_n = 0;                                                                              \
     for (int64_t s = 0; s < num_seqs; s++) max_n = context_lens[s] > max_n ? context_lens[s] : max_n; \
-    const int split = vec_path && num_seqs < 2 * num_threads && max_n >= SPLIT_MIN_KEYS;            \
-    const int64_t per = vec_path && (num_seqs >= 2 * num_threads || split) ? kvh : 1, tasks = kvh / per; \
+    const int split = vec_path && num_threads > 1 && num_seqs < 2 * num_threads && max_n >= SPLIT_MIN_KEYS; \
+    const int64_t per = vec_path && (num_seqs >= 2 * num_threads || split || num_threads == 1) ? kvh : 1; \
+    const int64_t tasks = kvh / per;                                                                \
     int64_t S = split ? (2 * num_threads + num_seqs - 1) / num_seqs : 1;                            \
     float *parts = S > 1 ? (float *)malloc(sizeof(float) * (size_t)(num_seqs * nh * S * (hd + 2))) : NULL; \
     if (!parts) S = 1;                                                                              \
