@@ -243,7 +243,7 @@ static inline vec sum_lanes(const vec *x) {
 #elif defined(__AVX__)
     /* AVX: horizontal adds pair neighbours within each 128-bit half; two rounds leave every
      * vector's sum split between the halves, and one cross-half add joins them (9 instructions,
-     * where GCC's lowering of the generic tree below took ~40) */
+     * where GCC's lowering of the generic tree below took ~34) */
     const __m256 t0 = _mm256_hadd_ps((__m256)x[0], (__m256)x[1]), t1 = _mm256_hadd_ps((__m256)x[2], (__m256)x[3]);
     const __m256 t2 = _mm256_hadd_ps((__m256)x[4], (__m256)x[5]), t3 = _mm256_hadd_ps((__m256)x[6], (__m256)x[7]);
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
