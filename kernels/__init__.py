@@ -85,8 +85,9 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device,
     single stream at 2,000 tokens of context, int8 weights, 2 AVX2 cores: 1.18-1.48x the decode
     tokens/s over a float32 cache, BENCHMARKS.md) and twice the tokens in the same memory; K/V
     rounded once to 11 significant bits (SmolLM2: greedy output equal to float32's on
-    tests/test_generate_equivalence.py's 20 prompts, held-out perplexity +0.004 %). Without a model dtype: bfloat16 on a GPU that has it
-    (compute capability >= 8.0), float16 on an older GPU, float32 on a CPU. "fp8" is e4m3
+    tests/test_generate_equivalence.py's 20 prompts, held-out perplexity +0.004 %). Without a
+    model dtype: bfloat16 on a GPU that has it (compute capability >= 8.0), float16 on an older
+    GPU, float32 on a CPU. "fp8" is e4m3
     (torch.float8_e4m3fn) with a per-tensor scale of 1.0: K/V are cast as they are, which
     keeps them within e4m3's range (|x| <= 448) for the models this serves, at ~2 significant
     digits; it needs compute capability >= 8.9 (Ada, Hopper and later), the first with fp8

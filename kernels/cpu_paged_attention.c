@@ -350,19 +350,13 @@ static inline __attribute__((always_inline)) void VALUES(                       
     if ((c) < n) {                                                                                  \
         const int64_t c_ = (c), e_ = n - c_ < VW ? n - c_ : VW;                                     \
         const int64_t lines_ = ((int64_t)sizeof(T) * nk * hd + 63) / 64;                            \
-        if (block_size % VW == 0) {  /* the chunk's rows at a fixed stride, and the usual 2 lines \
-                                        a row (hd 64, 16-bit, one KV head) without an inner loop: \
-                                        the loops per key had been a sixth of the instructions */ \
+        if (block_size % VW == 0) {  /* the chunk's rows at a fixed stride: one lookup, no bounds \
+                                        per key (the loops per key had been a sixth of the        \
+                                        instructions) */                                          \
             const char *r_ = (const char *)((CACHE) + TOKEN_ROW(c_) + h0 * hd);                     \
             const int64_t stride_ = (int64_t)sizeof(T) * row;                                       \
-            if (lines_ == 2)                                                                        \
-                for (int64_t t_ = 0; t_ < e_; t_++, r_ += stride_) {                                \
-                    __builtin_prefetch(r_, 0, 3);                                                   \
-                    __builtin_prefetch(r_ + 64, 0, 3);                                              \
-                }                                                                                   \
-            else                                                                                    \
-                for (int64_t t_ = 0; t_ < e_; t_++, r_ += stride_)                                  \
-                    for (int64_t l_ = 0; l_ < lines_; l_++) __builtin_prefetch(r_ + l_ * 64, 0, 3); \
+            for (int64_t t_ = 0; t_ < e_; t_++, r_ += stride_)                                      \
+                for (int64_t l_ = 0; l_ < lines_; l_++) __builtin_prefetch(r_ + l_ * 64, 0, 3);     \
         } else {                                                                                    \
             for (int64_t t_ = c_; t_ < c_ + e_; t_++) {                                             \
                 const char *r_ = (const char *)((CACHE) + TOKEN_ROW(t_) + h0 * hd);                 \

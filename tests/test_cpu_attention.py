@@ -61,9 +61,9 @@ def test_kernel_equals_reference(nh, kvh, hd, block_size, dtype, kv_dtype):
 def test_keys_split_between_threads_merge_to_the_reference(threads, nh, kvh, lens, dtype, kv_dtype):
     """Fewer sequences than twice the threads (2 or more), 256 keys or more: each sequence's keys go
     in splits (all its KV heads a task, 2 x threads tasks at least), merged after; one thread
-    never splits. 255 keys: not split; 257
-    on 4 threads: the last two of 8 splits are empty; [5, 700]: the short sequence's splits but
-    the first are empty; 3 sequences on 4 threads: 3 splits each, a span not a power of two."""
+    never splits. 255 keys: not split; 257 on 4 threads: the last two of 8 splits are empty;
+    [5, 700]: the short sequence's splits but the first are empty; 3 sequences on 4 threads: 3
+    splits each, a span not a power of two."""
     q, kc, vc, tables, ctx = _case(sum(lens) + nh + threads, nh, kvh, 64, 16, lens, dtype, kv_dtype)
     scale = 64 ** -0.5
     before = torch.get_num_threads()
