@@ -561,7 +561,12 @@ DEFINE_KERNEL(paged_decode_attention_bf16, attend_bf16, attend_heads_bf16, uint1
  * decoder): half the bytes per key, each row widened in registers as it is read */
 DEFINE_KERNEL(paged_decode_attention_f32_kvbf16, attend_f32_kvbf16, attend_heads_f32_kvbf16, float, store_f32, uint16_t)
 DEFINE_KERNEL(paged_decode_attention_f32_kvf16, attend_f32_kvf16, attend_heads_f32_kvf16, float, store_f32, uint16_t)
+/* the floats per vector of this build's decode attention (16: the AVX-512 layout, 8: AVX2's) */
+int decode_vector_width(void) { return VW; }
 
+/* kernels/avx512_emulated.c builds the decode attention above alone, in its AVX-512 layout on a
+ * CPU without AVX-512 (tests/test_cpu_attention.py): what follows is not part of that build */
+#ifndef EMBEDSERVE_DECODE_ATTENTION_ONLY
 /* ---------------------------------------------------------------------------------------------
  * Encoder attention over packed sequences (no padding, no mask): qkv [T, 3 * nh * hd] holds each
  * token's q | k | v, sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]; out [T, nh * hd];
@@ -1656,3 +1661,4 @@ int decode_forward_bf16(uint16_t *x, uint16_t *out, const es_linear *lins, const
     if (!rc) rc = rms_norm_bf16(x, r, norms[2 * L], out, T, H, eps, threads);
     return rc;
 }
+#endif  /* EMBEDSERVE_DECODE_ATTENTION_ONLY */

@@ -2,6 +2,13 @@
 GQA batches with shuffled block tables, in float32 and bfloat16, and float32 over a bfloat16 or
 float16 cache; where it cannot build, it says why and the model keeps the torch path."""
 
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,6 +82,63 @@ def test_keys_split_between_threads_merge_to_the_reference(threads, nh, kvh, len
     ref = reference.paged_decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, scale)
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ours.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def avx512_layout(tmp_path_factory):
+    """The decode attention built in its AVX-512 layout (16-float vectors) on this CPU, whatever it
+    has: kernels/avx512_emulated.c gives the AVX-512 intrinsics it calls in plain C."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"the emulation is of x86 intrinsics; this is {platform.machine()}")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler")
+    target = tmp_path_factory.mktemp("avx512") / "decode_avx512_layout.so"
+    source = Path(cpu_attention.SOURCE).with_name("avx512_emulated.c")
+    flags = [f if f != "-O3" else "-O1" for f in cbuild.CFLAGS]      # -O3: 50 s to compile the emulation, -O1: 9
+    proc = subprocess.run([cc, *flags, "-Wno-psabi", "-shared", str(source), "-o", str(target), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lib = ctypes.CDLL(str(target))
+    for suffix in set(cpu_attention._KV_SUFFIX.values()):
+        fn = getattr(lib, f"paged_decode_attention_{suffix}")
+        fn.argtypes, fn.restype = cpu_attention._ARGS, ctypes.c_int
+    return lib
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+@pytest.mark.parametrize("dtype,kv_dtype", _PAIRS)
+def test_the_avx512_layout_equals_the_reference_on_any_cpu(avx512_layout, dtype, kv_dtype):
+    """The VW = 16 paths (16-key chunks and their transpose-add, the 4-vector value passes, the
+    prefetch spread over 16 keys, the f16 and bf16 widening, the splits) run on the AVX-512 CPUs
+    only, which most machines here are not: built with the intrinsics emulated, they must give
+    the reference's result on every shape the native build is tested on, on 1, 2 and 4 threads."""
+    assert avx512_layout.decode_vector_width() == 16
+    fn = getattr(avx512_layout, "paged_decode_attention_" + cpu_attention.kv_kernel_suffix(dtype, kv_dtype))
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    cases = [((nh, kvh, hd, bs), [1, bs, 77, 3 * bs + 5, 3000])
+             for nh, kvh, hd, bs in [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 48, 8), (16, 1, 64, 16),
+                                     (4, 2, 40, 8), (32, 32, 64, 16), (9, 3, 64, 8)]]
+    cases += [((nh, kvh, 64, 16), lens) for nh, kvh in [(9, 3), (16, 1)]
+              for lens in ([255], [257], [1000], [5, 700], [3, 300, 1000])]
+    for (nh, kvh, hd, bs), lens in cases:
+        q, kc, vc, tables, ctx = _case(nh + hd + len(lens), nh, kvh, hd, bs, lens, dtype, kv_dtype)
+        ref = reference.paged_decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, hd ** -0.5)
+        for threads in (1, 2, 4):
+            out = torch.empty_like(q)
+            rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
+                    out.data_ptr(), len(lens), nh, kvh, hd, bs, hd ** -0.5, threads)
+            assert rc == 0
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol,
+                                       msg=lambda m: f"{(nh, kvh, hd, bs)} {lens} {threads} threads: {m}")
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
+def test_the_native_build_takes_the_layout_of_this_cpu():
+    """16-float vectors where the compiler targets AVX-512 for this CPU (-march=native), else 8."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    lib, _ = cpu_attention.load_library()
+    assert lib.decode_vector_width() == (16 if "avx512f" in flags else 8)
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
