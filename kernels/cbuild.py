@@ -43,13 +43,14 @@ def build_dirs() -> list[Path]:
     return [Path(home) / "kernels", Path(tempfile.gettempdir()) / f"embedserve-kernels-{uid}"]
 
 
-def _compile(cc: str, target: Path, source: Path) -> str | None:
-    """Compile `source` to the library `target` (atomically); None, or why it failed."""
+def _compile(cc: str, target: Path, source: Path, cflags: tuple[str, ...] = CFLAGS) -> str | None:
+    """Compile `source` to the library `target` (atomically), `cflags` at the compile step only
+    (never -ffast-math at the link: see CFLAGS); None, or why it failed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        for cmd in ([cc, *CFLAGS, "-c", str(source), "-o", tmp + ".o"], [cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"]):
+        for cmd in ([cc, *cflags, "-c", str(source), "-o", tmp + ".o"], [cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"]):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
                 return f"compiling {source.name} failed: {proc.stderr.strip().splitlines()[-1:]}"
@@ -84,3 +85,12 @@ def built(source: Path) -> tuple[Path | None, str | None]:
             continue
         return (target, None) if why is None else (None, why)
     return None, why
+
+
+def compile_uncached(source: Path, target: Path, cflags: tuple[str, ...] = CFLAGS) -> str | None:
+    """Build `source` into `target` with `cflags` (no cache; for tests that build a variant, such
+    as kernels/avx512_emulated.c): None, or why not."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return "no C compiler (cc/gcc) on PATH"
+    return _compile(cc, target, source, cflags)
