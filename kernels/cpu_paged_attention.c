@@ -564,9 +564,11 @@ DEFINE_KERNEL(paged_decode_attention_f32_kvf16, attend_f32_kvf16, attend_heads_f
 /* the floats per vector of this build's decode attention (16: the AVX-512 layout, 8: AVX2's) */
 int decode_vector_width(void) { return VW; }
 
-/* kernels/avx512_emulated.c builds the decode attention above alone, in its AVX-512 layout on a
- * CPU without AVX-512 (tests/test_cpu_attention.py): what follows is not part of that build */
-#ifndef EMBEDSERVE_DECODE_ATTENTION_ONLY
+/* kernels/avx512_emulated.c builds the decode attention above and the weight-only int8 linear
+ * below in their AVX-512 code on a CPU without AVX-512 (tests/test_cpu_attention.py,
+ * tests/test_decode_int8.py): what lies between them, and the decode step after, is not part of
+ * that build */
+#ifndef EMBEDSERVE_EMULATED_AVX512
 /* ---------------------------------------------------------------------------------------------
  * Encoder attention over packed sequences (no padding, no mask): qkv [T, 3 * nh * hd] holds each
  * token's q | k | v, sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]; out [T, nh * hd];
@@ -1287,6 +1289,8 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const float *b, float *y, in
 }
 #endif
 
+#endif  /* EMBEDSERVE_EMULATED_AVX512 */
+
 /* ---------------------------------------------------------------- weight-only int8 linear
  * y (M, N) = (x (M, K) q^T) * scale + b, q int8 per output channel (w ≈ q[n] * scale[n]), x float32
  * (gemv_w8_f32) or bfloat16 (gemv_w8_bf16), y float32: the decoder's linears with a quarter of fp32's
@@ -1402,6 +1406,7 @@ static void quant_row_i16(const uint16_t *xb, const float *xf, int64_t K, int16_
 
 /* sums (MG x 8 int64) of one 8-row block against MG int16 rows of x, columns [c0, c1) */
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define W8I_PATH 2
 static inline __attribute__((always_inline)) void w8i_block(const int8_t *base, const int16_t *const *xr, int mg,
                                                             int64_t c0, int64_t c1, int64_t *sums) {
     __m512i acc[W8I_MG][4];
@@ -1426,6 +1431,7 @@ static inline __attribute__((always_inline)) void w8i_block(const int8_t *base, 
         }
 }
 #elif defined(__AVX2__)
+#define W8I_PATH 1
 static inline void w8i_reduce8(__m256i a, int64_t *sum) {     /* one row's 8 int32 lanes into its int64 sum */
     const __m256i w = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a)),
                                        _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a, 1)));
@@ -1476,6 +1482,7 @@ static inline void w8i_block(const int8_t *base, const int16_t *const *xr, int m
     }
 }
 #else
+#define W8I_PATH 0
 static void w8i_block(const int8_t *base, const int16_t *const *xr, int mg, int64_t c0, int64_t c1, int64_t *sums) {
     for (int i = 0; i < mg; i++)
         for (int j = 0; j < W8_ROWS; j++) {
@@ -1486,6 +1493,9 @@ static void w8i_block(const int8_t *base, const int16_t *const *xr, int mg, int6
         }
 }
 #endif
+
+/* which integer path this build sums with: 2 AVX512-VNNI, 1 AVX2, 0 the scalar loop */
+int w8_int_path(void) { return W8I_PATH; }
 
 static int gemv_w8_i16(const uint16_t *xb, const float *xf, const int8_t *q, const float *scale, const float *b,
                        float *y, int64_t M, int64_t N, int64_t Kp, int num_threads) {
@@ -1540,6 +1550,7 @@ int gemv_w8_f32(const float *x, const int8_t *q, const float *scale, const float
     return gemv_w8_i16(NULL, x, q, scale, b, y, M, N, Kp, num_threads);
 }
 
+#ifndef EMBEDSERVE_EMULATED_AVX512
 /* ---------------------------------------------------------------- one decode step, all layers
  * The decoder's forward for a step whose every sequence brings one token (T sequences), float32
  * activations, in one call: per layer the same kernels as the Python glue path (residual add +
@@ -1661,4 +1672,4 @@ int decode_forward_bf16(uint16_t *x, uint16_t *out, const es_linear *lins, const
     if (!rc) rc = rms_norm_bf16(x, r, norms[2 * L], out, T, H, eps, threads);
     return rc;
 }
-#endif  /* EMBEDSERVE_DECODE_ATTENTION_ONLY */
+#endif  /* EMBEDSERVE_EMULATED_AVX512 */

@@ -104,6 +104,35 @@ def server(e5_dir, server_index_dir):
 
 
 @pytest.fixture(scope="session")
+def avx512_emulated(tmp_path_factory):
+    """kernels/avx512_emulated.c built on this CPU, whatever it has: the decode attention in its
+    AVX-512 layout (16-float vectors) and the int8 linear's AVX512-VNNI path, their AVX-512
+    intrinsics given in plain C; loaded with the native library's signatures."""
+    import ctypes
+    import platform
+
+    from kernels import cbuild, cpu_attention
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"the emulation is of x86 intrinsics; this is {platform.machine()}")
+    if "avx2" not in Path("/proc/cpuinfo").read_text().split():
+        pytest.skip("the emulation builds on AVX2 (the 256-bit loads the AVX-512 code itself calls)")
+    target = tmp_path_factory.mktemp("avx512") / "avx512_emulated.so"
+    # -O1: 9 s to compile the emulation, where -O3 took 50; -ffast-math at the compile step only
+    # (linked in, crtfastmath.o would flush subnormals to zero in this whole process)
+    flags = tuple(f if f != "-O3" else "-O1" for f in cbuild.CFLAGS) + ("-Wno-psabi",)
+    why = cbuild.compile_uncached(cpu_attention.SOURCE.with_name("avx512_emulated.c"), target, flags)
+    assert why is None, why
+    lib = ctypes.CDLL(str(target))
+    assert 5e-324 * 1.0 > 0.0, "loading the library set flush-to-zero for the process"
+    for suffix in set(cpu_attention._KV_SUFFIX.values()):
+        fn = getattr(lib, f"paged_decode_attention_{suffix}")
+        fn.argtypes, fn.restype = cpu_attention._ARGS, ctypes.c_int
+    for name in ("gemv_w8_f32", "gemv_w8_bf16"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = cpu_attention._GEMV_W8_ARGS, ctypes.c_int
+    return lib
+
+
+@pytest.fixture(scope="session")
 def pg_server(tmp_path_factory):
     """A real PostgreSQL 18 + pgvector for the session (tests/pg_testserver.py), database `embedserve` ready.
     Missing packages fail the test, never skip it: CI installs them."""

@@ -2,8 +2,6 @@
 GQA batches with shuffled block tables, in float32 and bfloat16, and float32 over a bfloat16 or
 float16 cache; where it cannot build, it says why and the model keeps the torch path."""
 
-import ctypes
-import platform
 from pathlib import Path
 
 import pytest
@@ -81,36 +79,15 @@ def test_keys_split_between_threads_merge_to_the_reference(threads, nh, kvh, len
     torch.testing.assert_close(ours.float(), ref, rtol=tol, atol=tol)
 
 
-@pytest.fixture(scope="module")
-def avx512_layout(tmp_path_factory):
-    """The decode attention built in its AVX-512 layout (16-float vectors) on this CPU, whatever it
-    has: kernels/avx512_emulated.c gives the AVX-512 intrinsics it calls in plain C."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"the emulation is of x86 intrinsics; this is {platform.machine()}")
-    target = tmp_path_factory.mktemp("avx512") / "decode_avx512_layout.so"
-    source = Path(cpu_attention.SOURCE).with_name("avx512_emulated.c")
-    # -O1: 9 s to compile the emulation, where -O3 took 50; -ffast-math at the compile step only
-    # (linked in, crtfastmath.o would flush subnormals to zero in this whole process)
-    flags = tuple(f if f != "-O3" else "-O1" for f in cbuild.CFLAGS) + ("-Wno-psabi",)
-    why = cbuild.compile_uncached(source, target, flags)
-    assert why is None, why
-    lib = ctypes.CDLL(str(target))
-    assert 5e-324 * 1.0 > 0.0, "loading the library set flush-to-zero for the process"
-    for suffix in set(cpu_attention._KV_SUFFIX.values()):
-        fn = getattr(lib, f"paged_decode_attention_{suffix}")
-        fn.argtypes, fn.restype = cpu_attention._ARGS, ctypes.c_int
-    return lib
-
-
 @pytest.mark.skipif(WHY is not None, reason=f"the C kernel does not build here: {WHY}")
 @pytest.mark.parametrize("dtype,kv_dtype", _PAIRS)
-def test_the_avx512_layout_equals_the_reference_on_any_cpu(avx512_layout, dtype, kv_dtype):
+def test_the_avx512_layout_equals_the_reference_on_any_cpu(avx512_emulated, dtype, kv_dtype):
     """The VW = 16 paths (16-key chunks and their transpose-add, the 4-vector value passes, the
     prefetch spread over 16 keys, the f16 and bf16 widening, the splits) run on the AVX-512 CPUs
     only, which most machines here are not: built with the intrinsics emulated, they must give
     the reference's result on every shape the native build is tested on, on 1, 2 and 4 threads."""
-    assert avx512_layout.decode_vector_width() == 16
-    fn = getattr(avx512_layout, "paged_decode_attention_" + cpu_attention.kv_kernel_suffix(dtype, kv_dtype))
+    assert avx512_emulated.decode_vector_width() == 16
+    fn = getattr(avx512_emulated, "paged_decode_attention_" + cpu_attention.kv_kernel_suffix(dtype, kv_dtype))
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     cases = [((nh, kvh, hd, bs), [1, bs, 77, 3 * bs + 5, 3000])
              for nh, kvh, hd, bs in [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 48, 8), (16, 1, 64, 16),

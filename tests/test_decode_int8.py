@@ -88,6 +88,40 @@ def test_gemv_w8_sums_the_int16_rows_exactly(dtype, rows, n, k):
     assert bool((want[rows // 2] != 0).any())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx512_vnni_path_sums_the_same_integers_on_any_cpu(avx512_emulated, dtype):
+    """The AVX512-VNNI path (vpdpwssd, 4 rows of x a pass) runs on AVX-512 CPUs only, which most
+    machines here are not: built with its intrinsics emulated, it must give the int16 arithmetic's
+    result to the bit, as the native build does, at row counts around its groups of 4, a K past
+    one 4,096-column integer chunk, and 1-3 threads."""
+    assert avx512_emulated.w8_int_path() == 2
+    fn = avx512_emulated.gemv_w8_bf16 if dtype == torch.bfloat16 else avx512_emulated.gemv_w8_f32
+    for n, k in [(8, 16), (37, 50), (200, 576), (13, 4100)]:
+        _, q, scale = _quantized(n, k, seed=n * k)
+        packed = cpu_attention.pack_w8(q)
+        g = torch.Generator().manual_seed(k)
+        bias = torch.randn(n, generator=g)
+        for rows in (1, 2, 3, 4, 5, 9, 17):
+            x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+            if rows > 2:
+                x[1] = 0.0
+            want = _int16_rows_reference(x, q, scale, bias).to(dtype)
+            xp = F.pad(x, (0, packed.shape[1] - k)).contiguous()
+            for threads in (1, 2, 3):
+                y = torch.empty(rows, n)
+                assert fn(xp.data_ptr(), packed.data_ptr(), scale.data_ptr(), bias.data_ptr(), y.data_ptr(),
+                          rows, n, packed.shape[1], threads) == 0
+                assert torch.equal(y.to(dtype), want), (n, k, rows, threads)
+
+
+def test_the_native_build_sums_with_this_cpus_integer_path():
+    """AVX512-VNNI where the compiler targets it for this CPU (-march=native), else AVX2's."""
+    flags = open("/proc/cpuinfo").read().split()
+    lib, why = cpu_attention.load_library()
+    assert why is None, why
+    assert lib.w8_int_path() == (2 if {"avx512bw", "avx512_vnni"} <= set(flags) else 1 if "avx2" in flags else 0)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 17, 600])
 @pytest.mark.parametrize("n,k", [(8, 16), (37, 50), (200, 576), (13, 1100)])
 def test_gemv_w8_is_the_dequantized_float_product_within_the_int16_bound(rows, n, k):
