@@ -374,9 +374,9 @@ static inline __attribute__((always_inline)) void VALUES(                       
  * rows are one contiguous run of VW x row elements, and each (key, KV head) step of SCORES or
  * VALUES prefetches its own pfl lines of it (`pf`, PF_SLICE: KV head hh's share). Issued as one
  * burst per chunk instead (PREFETCH_CHUNK, still used for tasks of one KV head, whose rows are
- * strided), one long sequence from memory ran 1.35x (1 thread) to 1.5x (2 threads) slower on
- * 2 AVX2 cores: a burst of 48 line fills queues behind the core's few miss buffers and stalls
- * the loads after it, spread the misses overlap the arithmetic (study paged_decode). */
+ * strided), one long sequence from memory ran 1.3-1.5x slower on 2 AVX2 cores (1 or 2 threads):
+ * a burst of 48 line fills queues behind the core's few miss buffers and stalls the loads after
+ * it; spread, the misses overlap the arithmetic (study paged_decode). */
 #define SPREAD_PREFETCH(CACHE, TC, c)                                                               \
     const char *pf_ = NULL;                                                                         \
     if (block_size % VW == 0 && nk * hd == row) {                                                   \
