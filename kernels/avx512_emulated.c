@@ -35,29 +35,25 @@ static inline __m512 emu_mm512_cvtph_ps(__m256i h) {      /* 16 IEEE halves -> f
     return r;
 }
 static inline __m512 emu_mm512_fmadd_ps(__m512 a, __m512 b, __m512 c) { return a * b + c; }
-static inline __m512i emu_mm512_cvtepu16_epi32(__m256i h) {  /* zero-extends 16 uint16 lanes */
-    uint16_t u[16];
-    uint32_t w[16];
-    __m512i r;
-    memcpy(u, &h, sizeof u);
-    for (int i = 0; i < 16; i++) w[i] = u[i];
-    memcpy(&r, w, sizeof r);
-    return r;
-}
+/* the 256 bits of `a` as lanes of FROM, each widened to TO (zero- or sign-extended as FROM is) */
+#define EMU_WIDEN(NAME, FROM, TO)                                                                   \
+    static inline __m512i NAME(__m256i a) {                                                         \
+        FROM v[32 / sizeof(FROM)];                                                                  \
+        TO w[32 / sizeof(FROM)];                                                                    \
+        __m512i r;                                                                                  \
+        memcpy(v, &a, sizeof v);                                                                    \
+        for (size_t i = 0; i < 32 / sizeof(FROM); i++) w[i] = v[i];                                 \
+        memcpy(&r, w, sizeof r);                                                                    \
+        return r;                                                                                   \
+    }
+EMU_WIDEN(emu_mm512_cvtepu16_epi32, uint16_t, uint32_t)
 static inline __m512i emu_mm512_slli_epi32(__m512i a, unsigned s) { return (__m512i)((emu_v16su)a << s); }
 static inline __m512 emu_mm512_castsi512_ps(__m512i a) { return (__m512)a; }
 
 /* the int8 linear's: widening, broadcast, the int16 dot product into int32 lanes, the reductions */
 static inline __m512i emu_mm512_setzero_si512(void) { return (__m512i){0, 0, 0, 0, 0, 0, 0, 0}; }
-static inline __m512i emu_mm512_cvtepi8_epi16(__m256i a) {   /* sign-extends 32 int8 lanes */
-    int8_t b[32];
-    int16_t w[32];
-    __m512i r;
-    memcpy(b, &a, sizeof b);
-    for (int i = 0; i < 32; i++) w[i] = b[i];
-    memcpy(&r, w, sizeof r);
-    return r;
-}
+EMU_WIDEN(emu_mm512_cvtepi8_epi16, int8_t, int16_t)
+EMU_WIDEN(emu_mm512_cvtepi32_epi64, int32_t, int64_t)
 static inline __m512i emu_mm512_broadcast_i64x4(__m256i a) {
     __m512i r;
     memcpy(&r, &a, 32);
@@ -83,20 +79,6 @@ static inline long long emu_mm512_reduce_add_epi64(__m512i a) {
     for (int i = 0; i < 8; i++) t += v[i];
     return t;
 }
-static inline __m512i emu_mm512_cvtepi32_epi64(__m256i a) {  /* sign-extends 8 int32 lanes */
-    int32_t v[8];
-    int64_t w[8];
-    __m512i r;
-    memcpy(v, &a, sizeof v);
-    for (int i = 0; i < 8; i++) w[i] = v[i];
-    memcpy(&r, w, sizeof r);
-    return r;
-}
-static inline __m256i emu_mm512_castsi512_si256(__m512i a) {
-    __m256i r;
-    memcpy(&r, &a, 32);
-    return r;
-}
 static inline __m256i emu_mm512_extracti64x4_epi64(__m512i a, int hi) {
     __m256i r;
     memcpy(&r, (const char *)&a + (hi ? 32 : 0), 32);
@@ -114,7 +96,7 @@ static inline __m256i emu_mm512_extracti64x4_epi64(__m512i a, int hi) {
 #define _mm512_dpwssd_epi32 emu_mm512_dpwssd_epi32
 #define _mm512_reduce_add_epi64 emu_mm512_reduce_add_epi64
 #define _mm512_cvtepi32_epi64 emu_mm512_cvtepi32_epi64
-#define _mm512_castsi512_si256 emu_mm512_castsi512_si256
+#define _mm512_castsi512_si256(a) emu_mm512_extracti64x4_epi64(a, 0)
 #define _mm512_extracti64x4_epi64 emu_mm512_extracti64x4_epi64
 #ifndef __AVX512F__
 #define __AVX512F__ 1

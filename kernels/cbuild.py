@@ -43,6 +43,14 @@ def build_dirs() -> list[Path]:
     return [Path(home) / "kernels", Path(tempfile.gettempdir()) / f"embedserve-kernels-{uid}"]
 
 
+NO_CC = "no C compiler (cc/gcc) on PATH"
+
+
+def _cc() -> str | None:
+    """The C compiler: $CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _compile(cc: str, target: Path, source: Path, cflags: tuple[str, ...] = CFLAGS) -> str | None:
     """Compile `source` to the library `target` (atomically), `cflags` at the compile step only
     (never -ffast-math at the link: see CFLAGS); None, or why it failed."""
@@ -68,9 +76,9 @@ def _compile(cc: str, target: Path, source: Path, cflags: tuple[str, ...] = CFLA
 def built(source: Path) -> tuple[Path | None, str | None]:
     """The shared library of `source` (`<stem>-<key>.so`), built where no build of this source,
     these flags and this CPU is cached yet: (its path, None) or (None, why not)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _cc()
     if not cc:
-        return None, "no C compiler (cc/gcc) on PATH"
+        return None, NO_CC
     text = source.read_bytes()
     key = hashlib.sha256(text + " ".join((cc,) + CFLAGS + LDFLAGS).encode() + cpu_id().encode()).hexdigest()[:16]
     why = None
@@ -90,7 +98,7 @@ def built(source: Path) -> tuple[Path | None, str | None]:
 def compile_uncached(source: Path, target: Path, cflags: tuple[str, ...] = CFLAGS) -> str | None:
     """Build `source` into `target` with `cflags` (no cache; for tests that build a variant, such
     as kernels/avx512_emulated.c): None, or why not."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _cc()
     if not cc:
-        return "no C compiler (cc/gcc) on PATH"
+        return NO_CC
     return _compile(cc, target, source, cflags)
