@@ -225,3 +225,45 @@ def test_impossible_settings_fail_at_start_up(minilm_model):
         ServerConfig.of(max_batch_tokens=1024, max_queued_tokens=512)
     with pytest.raises(ConfigError, match="--max-input-length 600"):
         ServerConfig.of(max_input_length=600).embed.input_limit(512)
+
+
+def test_embeddings_are_answered_without_fastapis_router(minilm_model, monkeypatch):
+    """POST /v1/embeddings goes straight to its endpoint (api.direct): FastAPI's route handling is
+    never entered, while every other route still is, and the guard, the metrics and /openapi.json
+    see the route as before."""
+    from fastapi.routing import APIRoute
+    entered = []
+    real_handle = APIRoute.handle
+
+    async def spy(self, scope, receive, send):
+        entered.append(self.path)
+        return await real_handle(self, scope, receive, send)
+
+    monkeypatch.setattr(APIRoute, "handle", spy)
+    app = build_app(ServerConfig.of(model=NAME), model=minilm_model)
+    with TestClient(app) as c:
+        r = c.post("/v1/embeddings", json={"input": ["hello", "世界"], "model": NAME})
+        assert r.status_code == 200 and len(r.json()["data"]) == 2
+        _err(c.post("/v1/embeddings", json={"input": []}), 400)
+        assert entered == []
+        assert c.get("/v1/models").status_code == 200 and entered == ["/v1/models"]
+        _err(c.get("/v1/embeddings"), 405)                       # other methods: FastAPI's answer
+        metrics = c.get("/metrics").text
+        assert 'embedserve_requests_total{route="/v1/embeddings",status="200"} 1.0' in metrics
+        assert 'embedserve_requests_total{route="/v1/embeddings",status="400"} 1.0' in metrics
+        assert "/v1/embeddings" in c.get("/openapi.json").json()["paths"]
+
+
+def test_a_crash_in_a_direct_route_is_a_logged_500_in_the_envelope(minilm_model, monkeypatch, caplog):
+    app = build_app(ServerConfig.of(model=NAME), model=minilm_model)
+    with TestClient(app) as c:
+        engine = app.state.embedserve.embedders[NAME]
+
+        def broken(*a, **k):
+            raise RuntimeError("tokenizer exploded")
+        monkeypatch.setattr(engine, "tokenize", broken)
+        with caplog.at_level("ERROR", logger="embedserve.api.app"):
+            e = _err(c.post("/v1/embeddings", json={"input": "x"}), 500)
+        assert e["message"] == "internal error; see the server log" and "exploded" not in e["message"]
+        assert "unhandled error on POST /v1/embeddings" in caplog.text and "tokenizer exploded" in caplog.text
+        assert 'embedserve_errors_total{type="server_error"} 1.0' in c.get("/metrics").text

@@ -23,6 +23,7 @@ from index.errors import DescribedError
 from ..errors import MethodNotAllowedError, NotFoundError, ValidationError
 from . import embeddings, generation, indexes, openapi, rerank, system, tokenize
 from .errors import error_response, status_for, validation_error
+from .direct import DirectRoutes
 from .drain import DrainMiddleware
 from .middleware import GuardMiddleware
 from .state import AppState
@@ -47,6 +48,7 @@ def create_app(state: AppState, start: Callable[[AppState], None] | None = None)
 
     app = FastAPI(title="embedserve", version=__version__, lifespan=lifespan)
     app.state.embedserve = state
+    app.add_middleware(DirectRoutes, handle_error=lambda request, exc: _handle_error(state, request, exc))
     app.add_middleware(GuardMiddleware, state=state)
     if state.config.http.origins:        # outside the key check: a browser's preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=state.config.http.origins, allow_methods=["*"],
@@ -70,22 +72,28 @@ def _describe_bodies(app: FastAPI) -> None:
     app.openapi = document
 
 
+async def _handle_error(state: AppState, request: Request, exc: Exception):
+    """The response to an endpoint's exception (a described error, a schema violation, or a crash:
+    500, logged with its traceback): what the app's exception handlers give and what the direct
+    routes (api.direct) give."""
+    if isinstance(exc, RequestValidationError):
+        exc = validation_error(exc)
+    elif not isinstance(exc, DescribedError):
+        logger.exception("unhandled error on %s", _route(request), exc_info=exc)
+    elif status_for(exc)[0] >= 500 and not getattr(exc, "logged", False):   # logged: once where it arose
+        logger.error("%s on %s: %s", type(exc).__name__, _route(request), exc)
+    state.metrics.errors.labels(type=status_for(exc)[1]).inc()
+    return error_response(exc)
+
+
 def _add_error_handlers(app: FastAPI, state: AppState) -> None:
     """Every error leaves in OpenAI's envelope with the status `api.errors` gives its kind."""
 
-    def reply(exc: Exception):
-        state.metrics.errors.labels(type=status_for(exc)[1]).inc()
-        return error_response(exc)
+    async def handle(request: Request, exc: Exception):
+        return await _handle_error(state, request, exc)
 
-    @app.exception_handler(DescribedError)
-    async def _typed(request: Request, exc: Exception):
-        if status_for(exc)[0] >= 500 and not getattr(exc, "logged", False):   # logged: once where it arose
-            logger.error("%s on %s: %s", type(exc).__name__, _route(request), exc)
-        return reply(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        return reply(validation_error(exc))
+    app.add_exception_handler(DescribedError, handle)
+    app.add_exception_handler(RequestValidationError, handle)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -96,10 +104,7 @@ def _add_error_handlers(app: FastAPI, state: AppState) -> None:
             return error_response(MethodNotAllowedError(f"{request.method} is not allowed on {request.url.path}"))
         return error_response(ValidationError(str(exc.detail)))
 
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception):
-        logger.exception("unhandled error on %s", _route(request))
-        return reply(exc)
+    app.add_exception_handler(Exception, handle)
 
 
 def _route(request: Request) -> str:
