@@ -50,8 +50,8 @@ class ComputePaths:
                 "threshold 512 MB; embedserve/engine/malloc_tuning.py): otherwise a server page-faults "
                 "its activations in afresh on every batch; false keeps glibc's defaults"})
     fast_tokenizer: bool = field(default=True, metadata={
-        "help": "ASCII texts of BERT WordPiece models tokenized in C (kernels/cpu_wordpiece.c; the same ids "
-                "as `tokenizers`, checked on probe texts at load); false: `tokenizers` for every text"})
+        "help": "ASCII and Chinese texts of BERT WordPiece models tokenized in C (kernels/cpu_wordpiece.c; the "
+                "same ids as `tokenizers`, checked on probe texts at load); false: `tokenizers` for every text"})
     packed_linear: bool = field(default=True, metadata={
         "help": "linear weights reordered once into oneDNN's blocked layout (CPU)"})
     decode_gemv: bool = field(default=True, metadata={

@@ -1,15 +1,18 @@
-/* BERT WordPiece tokenization of ASCII text, token for token what Hugging Face `tokenizers` gives
- * for a tokenizer.json of BertNormalizer (clean_text) + BertPreTokenizer + WordPiece, in one pass
- * over the bytes and without the offsets, strings and alignment bookkeeping `tokenizers` keeps for
- * every character (kernels/cpu_wordpiece.py decides which texts and tokenizers come here).
+/* BERT WordPiece tokenization, token for token what Hugging Face `tokenizers` gives for a
+ * tokenizer.json of BertNormalizer (clean_text) + BertPreTokenizer + WordPiece, in one pass over the
+ * bytes and without the offsets, strings and alignment bookkeeping `tokenizers` keeps for every
+ * character (kernels/cpu_wordpiece.py decides which texts and tokenizers come here).
  *
  * Per text: control characters (0x00-0x1F but tab, newline, carriage return; 0x7F) are removed,
  * as clean_text does before anything splits; whitespace ends a word; each ASCII punctuation
  * character (33-47, 58-64, 91-96, 123-126) is a word of its own; letters are lowercased where the
- * normalizer lowercases. Each word of at most `max_chars` characters is cut greedily into the
- * longest vocabulary pieces from its start, pieces after the first looked up with the
- * continuation prefix ("##"); a word with a position no piece matches, or a longer word, is the
- * unknown token. Around each text's ids: the template's prefix and suffix ids ([CLS] ... [SEP]).
+ * normalizer lowercases. Text is UTF-8: of the characters past ASCII, U+00A0 and U+3000 are
+ * whitespace and every other one is a word of its own. That is what the normalizer and the
+ * pre-tokenizer make of a CJK ideograph and of punctuation, and the caller sends no other kind
+ * (`FastWordPiece.takes`). Each word of at most `max_chars` characters is cut greedily into the
+ * longest vocabulary pieces from its start, pieces after the first looked up with the continuation
+ * prefix ("##"). A word with a position no piece matches, or a longer word, is the unknown token.
+ * Around each text's ids: the template's prefix and suffix ids ([CLS] ... [SEP]).
  *
  * The vocabulary is an open-addressing hash table (FNV-1a) built once per tokenizer; lookups hash
  * the prefix and the piece without copying them. Built at first use by kernels/cpu_attention.py's
@@ -99,10 +102,11 @@ static inline int32_t lookup(const wp_vocab *v, int cont, const char *s, int64_t
     return -1;
 }
 
-/* One word's pieces appended at out[*k]; the unknown token where it cannot be cut. */
-static inline void word_pieces(const wp_vocab *v, const char *w, int64_t n, int32_t max_chars, int32_t unk,
-                               int32_t *out, int64_t *k) {
-    if (n > max_chars) { out[(*k)++] = unk; return; }
+/* One word's pieces appended at out[*k]; the unknown token where it cannot be cut. `n` bytes,
+ * `chars` characters (a multi-byte character is only ever a word alone). */
+static inline void word_pieces(const wp_vocab *v, const char *w, int64_t n, int64_t chars, int32_t max_chars,
+                               int32_t unk, int32_t *out, int64_t *k) {
+    if (chars > max_chars) { out[(*k)++] = unk; return; }
     int64_t start = 0, k0 = *k;
     while (start < n) {
         int64_t end = n, room = v->max_key_len - (start > 0 ? v->prefix_len : 0);
@@ -122,7 +126,7 @@ static inline int is_punct(uint8_t c) {
     return (c >= 33 && c <= 47) || (c >= 58 && c <= 64) || (c >= 91 && c <= 96) || (c >= 123 && c <= 126);
 }
 
-/* `n` ASCII texts back to back (text i at offsets[i] .. offsets[i + 1]) to ids: text i's ids at
+/* `n` UTF-8 texts back to back (text i at offsets[i] .. offsets[i + 1]) to ids: text i's ids at
  * out[out_offsets[i] .. out_offsets[i + 1]]. `out` holds at least offsets[n] + n * (n_prefix +
  * n_suffix) ids (a text yields at most one piece per byte). Returns the ids written. `max_chars`
  * is at most 1023: a longer word is unknown whatever follows, so the scratch word stops there. */
@@ -140,13 +144,21 @@ int64_t wp_encode_batch(const void *handle, const char *text, const int64_t *off
         for (int64_t i = offsets[t]; i < offsets[t + 1]; i++) {
             uint8_t c = (uint8_t)text[i];
             if (c == ' ' || c == '\t' || c == '\n' || c == '\r') {
-                if (len) { word_pieces(v, word, len, max_chars, unk, out, &k); len = 0; }
+                if (len) { word_pieces(v, word, len, len, max_chars, unk, out, &k); len = 0; }
             } else if (c < 0x20 || c == 0x7f) {
                 continue;                                   /* removed: the word goes on */
             } else if (is_punct(c)) {
-                if (len) { word_pieces(v, word, len, max_chars, unk, out, &k); len = 0; }
+                if (len) { word_pieces(v, word, len, len, max_chars, unk, out, &k); len = 0; }
                 word[0] = (char)c;
-                word_pieces(v, word, 1, max_chars, unk, out, &k);
+                word_pieces(v, word, 1, 1, max_chars, unk, out, &k);
+            } else if (c >= 0x80) {                         /* a character past ASCII: 2-4 bytes */
+                int64_t nb = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : 2;
+                if (nb > offsets[t + 1] - i) nb = offsets[t + 1] - i;     /* a cut sequence: what is left */
+                if (len) { word_pieces(v, word, len, len, max_chars, unk, out, &k); len = 0; }
+                const int space = (nb == 2 && c == 0xc2 && (uint8_t)text[i + 1] == 0xa0)      /* U+00A0 */
+                               || (nb == 3 && c == 0xe3 && (uint8_t)text[i + 1] == 0x80 && (uint8_t)text[i + 2] == 0x80);
+                if (!space) word_pieces(v, text + i, nb, 1, max_chars, unk, out, &k);   /* U+3000: space */
+                i += nb - 1;
             } else {
                 if (len == (int64_t)sizeof(word)) {
                     /* past the scratch space: longer than any max_chars (capped at 1023 by the
@@ -156,7 +168,7 @@ int64_t wp_encode_batch(const void *handle, const char *text, const int64_t *off
                 word[len++] = (char)(lowercase && c >= 'A' && c <= 'Z' ? c + 32 : c);
             }
         }
-        if (len) word_pieces(v, word, len, max_chars, unk, out, &k);
+        if (len) word_pieces(v, word, len, len, max_chars, unk, out, &k);
         for (int32_t j = 0; j < n_suffix; j++) out[k++] = suffix_ids[j];
     }
     out_offsets[n] = k;

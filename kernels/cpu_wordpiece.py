@@ -1,20 +1,24 @@
-"""BERT WordPiece tokenization of ASCII texts in C (`cpu_wordpiece.c`), the same ids as Hugging Face
-`tokenizers` for the tokenizers it takes: 32 English texts in 0.13 ms against 1.81 ms (and ~3.4 ms
-of CPU on `tokenizers`' two threads).
+"""BERT WordPiece tokenization in C (`cpu_wordpiece.c`), the same ids as Hugging Face `tokenizers`
+for the tokenizers it takes: 32 English texts in 0.13 ms against 1.81 ms (and ~3.4 ms of CPU on
+`tokenizers`' two threads).
 
 Why: at 32 texts per request, `tokenizers` spent ~3 ms of CPU per request of all-MiniLM-L6-v2 on
 make bench's corpus while the encoder used the rest of the 2 cores, and each slice of it preempted
 one of the model's two threads, the other waiting for it at the next barrier. Served, text reached
 0.940-0.960 of the same texts sent as token ids without this path and 0.963-0.974 with it
-(`python -m embedserve.studies.tokenize_bench`, BENCHMARKS.md).
+(`python -m embedserve.studies.tokenize_bench`, BENCHMARKS.md). A one-text request is tokenized on
+the event loop, where `tokenizers` took ~100 µs for one short Chinese text and this path ~5.
 
 What it takes: a tokenizer.json of BertNormalizer (clean_text on; lowercase or not) +
 BertPreTokenizer + WordPiece, specials from TemplateProcessing or BertProcessing (BERT, MiniLM,
-BGE's English models). Per text, only pure ASCII text without an added token's content
-(`[MASK]`, ...) comes here; anything else (Chinese, accents, emoji) goes to `tokenizers` as
-before, so the fast path never has to know Unicode's tables. A tokenizer it does not take, a
-failed build, or EMBEDSERVE_FAST_TOKENIZER=0: everything goes to `tokenizers`.
-`FastWordPiece.build` also checks its ids against `tokenizers` on probe texts before use.
+BGE's English models). Per text, it takes ASCII text, and text whose other characters are all
+`EXTRA_CHARS`: CJK ideographs, punctuation that neither lowercasing nor NFD changes, and two
+spaces. For each of those the normalizer and the pre-tokenizer do one simple thing: the character
+is a word alone, or a space. A text holding an added token's content (`[MASK]`, ...), or any other
+character (accents, emoji, fullwidth letters), goes to `tokenizers` as before. So the fast path
+needs no Unicode tables beyond that list. A tokenizer it does not take, a failed build, or
+EMBEDSERVE_FAST_TOKENIZER=0: everything goes to `tokenizers`. `FastWordPiece.build` also checks its
+ids against `tokenizers` on probe texts before use.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import ctypes
 import itertools
 import json
 import logging
+import re
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +40,41 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_wordpiece.c")
 MAX_CHARS = 1023                 # the C side's scratch word; a longer max_input_chars_per_word is refused
 
+
+
+def _extra_chars() -> str:
+    """The characters past ASCII the C path takes, each a word alone or a space there as in
+    `tokenizers`: the CJK ideographs of U+3400-4DBF and U+4E00-9FFF (BertNormalizer puts spaces
+    around them; the compatibility ideographs, which NFD changes, are not among them), the
+    punctuation (P*) of the Latin-1, general-punctuation, CJK, vertical, small and fullwidth forms
+    blocks that lowercasing and NFD leave as they are (BertPreTokenizer splits it off), and U+00A0
+    and U+3000 (whitespace to clean_text). tests/test_cpu_wordpiece.py checks every one of them
+    against `tokenizers` for each bundled WordPiece model."""
+    punct = "".join(c for lo, hi in ((0xA1, 0xBF), (0x2010, 0x205E), (0x3001, 0x303F), (0xFE10, 0xFE6B),
+                                     (0xFF01, 0xFF65))
+                    for c in map(chr, range(lo, hi + 1))
+                    if unicodedata.category(c).startswith("P") and unicodedata.normalize("NFD", c) == c
+                    and c.lower() == c)
+    return CJK + re.escape(punct) + "\u00a0\u3000"
+
+
+CJK = "\u3400-\u4dbf\u4e00-\u9fff"
+EXTRA_CHARS = _extra_chars()
+# texts taken whole: with the CJK ideographs, or without them (a normalizer that does not put spaces
+# around them: `handle_chinese_chars` off)
+_TAKEN = {True: re.compile(f"[\\x00-\\x7f{EXTRA_CHARS}]*").fullmatch,
+          False: re.compile(f"[\\x00-\\x7f{EXTRA_CHARS.replace(CJK, '')}]*").fullmatch}
+
 # texts whose ids must equal `tokenizers`' before the fast path is used (edges of each rule)
 PROBES = ("", "Hello, World!", "don't stop-believing... (2024) #1 [test] {x} ~y~ `z` |a| \\b/ ^c^ _d_",
           "UPPER lower MiXeD 12345 3.14159 e-mail@example.com https://example.org/a?b=c&d=e",
           "tab\there\nnewline\r\ncarriage  double  space ", "ctrl\x01char\x7fdel\x0bvt\x0cff\x1fus",
           "antidisestablishmentarianism pneumonoultramicroscopicsilicovolcanoconiosis",
           "x" * 150 + " tail", "qzxqzxqzx zzzzzzzzzzzz", "a" * 99 + " " + "b" * 100 + " " + "c" * 101,
-          "The quick brown fox jumps over the lazy dog. " * 3)
+          "The quick brown fox jumps over the lazy dog. " * 3,
+          "北京是中国的首都。我用Python写代码，速度很快！",
+          "“引号”（括号）《书名》【注】、顿号…省略号——破折号",
+          "全角\u3000空格\u00a0不换行 ¿¡·§ 〜！＂＃％＆＇（）＊，－．／：；？＠［＼］＿｛｝｟｠｡｢｣､･")
 
 _lib: tuple[ctypes.CDLL | None, str | None] | None = None
 
@@ -106,7 +140,7 @@ def template_specials(post: dict | None) -> tuple[list[int], list[int]] | str:
 
 class FastWordPiece:
     """The C tokenizer for one tokenizer.json; `encode` gives each text's ids, or None for a text
-    that `tokenizers` must take (non-ASCII, or holding an added token)."""
+    that `tokenizers` must take (another character past ASCII, or an added token)."""
 
     def __init__(self, lib: ctypes.CDLL, spec: dict, vocab: dict[str, int], specials: tuple[list[int], list[int]]):
         """`specials`: the ids before and after a text (`template_specials`, which `build` checked)."""
@@ -126,7 +160,10 @@ class FastWordPiece:
                                         prefix, len(prefix))
         if not self._handle:
             raise MemoryError("the WordPiece vocabulary table could not be allocated")
-        self._before, self._after = (np.asarray(ids, dtype=np.int32) for ids in specials)
+        self._before, self._after = ((ctypes.c_int32 * len(ids))(*ids) for ids in specials)
+        self._none = (ctypes.c_int32 * 0)()
+        # CJK ideographs are words alone only where the normalizer puts spaces around them
+        self._taken = _TAKEN[bool(spec["normalizer"].get("handle_chinese_chars", True))]
 
     def __del__(self):
         handle, self._handle = getattr(self, "_handle", None), None
@@ -171,8 +208,9 @@ class FastWordPiece:
         return fast, None
 
     def takes(self, text: str) -> bool:
-        """Whether `text` is one this tokenizer encodes exactly (ASCII, no added token in it)."""
-        if not text.isascii():
+        """Whether `text` is one this tokenizer encodes exactly (ASCII and `EXTRA_CHARS`, no added
+        token in it)."""
+        if not text.isascii() and not self._taken(text):
             return False
         if self.added:
             low = text.lower()
@@ -189,17 +227,16 @@ class FastWordPiece:
         out: list[list[int] | None] = [None] * len(texts)
         if not mine:
             return out
-        raw = [texts[i].encode("ascii") for i in mine]
-        offsets = np.fromiter(itertools.accumulate(map(len, raw), initial=0), dtype=np.int64, count=len(raw) + 1)
-        before, after = (self._before, self._after) if specials else (self._before[:0], self._after[:0])
-        cap = int(offsets[-1]) + len(raw) * (len(before) + len(after))
-        ids = np.empty(max(cap, 1), dtype=np.int32)
-        where = np.empty(len(raw) + 1, dtype=np.int64)
-        n = self._lib.wp_encode_batch(self._handle, b"".join(raw), offsets.ctypes.data, len(raw),
-                                      int(self.lowercase), self.max_chars, self.unk,
-                                      before.ctypes.data, len(before), after.ctypes.data, len(after),
-                                      ids.ctypes.data, where.ctypes.data)
-        flat, bounds = ids[:n].tolist(), where.tolist()
+        # ctypes arrays, not numpy: for the one-text requests tokenized on the event loop, numpy's
+        # array set-up and its `.ctypes` views had cost ~30 µs a call, several times the C work
+        raw = [texts[i].encode("utf-8") for i in mine]
+        n = len(raw)
+        offsets = (ctypes.c_int64 * (n + 1))(0, *itertools.accumulate(map(len, raw)))
+        before, after = (self._before, self._after) if specials else (self._none, self._none)
+        ids = (ctypes.c_int32 * max(offsets[n] + n * (len(before) + len(after)), 1))()
+        where = (ctypes.c_int64 * (n + 1))()
+        self._lib.wp_encode_batch(self._handle, b"".join(raw), offsets, n, int(self.lowercase), self.max_chars,
+                                  self.unk, before, len(before), after, len(after), ids, where)
         for k, i in enumerate(mine):
-            out[i] = flat[bounds[k]:bounds[k + 1]]
+            out[i] = ids[where[k]:where[k + 1]]
         return out

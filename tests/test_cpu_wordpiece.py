@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from kernels import compute
-from kernels.cpu_wordpiece import PROBES, FastWordPiece, _library
+from kernels.cpu_wordpiece import CJK, EXTRA_CHARS, PROBES, FastWordPiece, _library
 from embedserve.models.registry import resolve_model
 
 WHY = _library()[1]
@@ -25,7 +25,13 @@ ENGLISH = ("The Eiffel Tower, completed in 1889, is 330 metres (1,083 ft) tall."
            "C++ and C# aren't Python_3.12; `x = y ** 2` ~ {a: [1, 2]} | <tag/> \\ ^ @ $ % *",
            "   leading and trailing whitespace\t\tand\r\nnewlines   ",
            "Antidisestablishmentarianism vs. floccinaucinihilipilification.")
-OTHERS = ("北京是中国的首都。", "Café au lait, naïve résumé", "emoji 🙂 here", "ｆｕｌｌｗｉｄｔｈ", "Straße")
+CHINESE = ("北京是中国的首都。", "我用Python 3.12写代码，速度很快！“真的”（吗）？",
+           "检索增强生成　RAG\u00a0——《论文》【2020】…")
+OTHERS = ("Café au lait, naïve résumé", "emoji 🙂 here", "ｆｕｌｌｗｉｄｔｈ", "Straße", "北京 Zürich",
+          "ＡＢＣ１２３中文")
+# every character past ASCII the C path takes (the ranges of EXTRA_CHARS written out)
+EXTRA = [chr(c) for c in range(0x3400, 0x4DC0)] + [chr(c) for c in range(0x4E00, 0xA000)] + \
+    [c for c in EXTRA_CHARS.replace(CJK, "") if c != "\\"]
 
 
 def _reference(path) -> Tokenizer:
@@ -37,14 +43,18 @@ def _reference(path) -> Tokenizer:
 
 def _fuzz(seed: int, n: int) -> list[str]:
     """ASCII texts: every code point 0-127 at random, word salads with punctuation and controls,
-    the added tokens' contents in any case, words at the 100-character limit and past it."""
+    the added tokens' contents in any case, words at the 100-character limit and past it; and
+    texts that mix them with the characters past ASCII the C path takes."""
     rng = random.Random(seed)
     words = ("the of and a to in is was retrieval embedding vector index query passage token unbelievable "
              "tokenization supercalifragilistic xylophone zzzz qqq").split()
     out = []
     for k in range(n):
-        kind = k % 3
-        if kind == 0:
+        kind = k % 4
+        if kind == 3:
+            out.append("".join(rng.choice(EXTRA) if rng.random() < 0.5 else chr(rng.randrange(128))
+                               if rng.random() < 0.3 else rng.choice(words) for _ in range(rng.randint(0, 40))))
+        elif kind == 0:
             out.append("".join(chr(rng.randrange(128)) for _ in range(rng.randint(0, 40))))
         elif kind == 1:
             out.append(" ".join(rng.choice(words).upper() if rng.random() < 0.1 else rng.choice(words)
@@ -63,11 +73,11 @@ def test_ids_equal_tokenizers_on_every_text_it_takes(model):
     ref = _reference(path)
     fast, why = FastWordPiece.build(path / "tokenizer.json", ref)
     assert why is None and fast is not None
-    texts = list(ENGLISH) + list(PROBES) + _fuzz(WORDPIECE_MODELS.index(model), 3000)
+    texts = list(ENGLISH) + list(CHINESE) + list(PROBES) + _fuzz(WORDPIECE_MODELS.index(model), 4000)
     want = [e.ids for e in ref.encode_batch(texts, add_special_tokens=True)]
     got = fast.encode(texts)
     taken = [i for i, g in enumerate(got) if g is not None]
-    assert len(taken) > 0.6 * len(texts)          # most ASCII texts: those without an added token
+    assert len(taken) > 0.6 * len(texts)          # most texts: those without an added token
     for i in taken:
         assert got[i] == want[i], (model, texts[i])
     # without the specials (a cross-encoder's query and documents): `add_special_tokens=False`
@@ -84,21 +94,58 @@ def test_ids_equal_tokenizers_on_every_text_it_takes(model):
 
 
 @needs_build
-def test_non_ascii_texts_go_back_to_tokenizers_in_place():
+@pytest.mark.parametrize("model", WORDPIECE_MODELS)
+def test_every_character_past_ascii_it_takes_is_tokenized_as_tokenizers_does(model):
+    """Each of the ~28,000 characters: alone, between letters, doubled inside a word, beside
+    ASCII punctuation, and all of them in long texts; the same ids as `tokenizers`, which makes
+    each a word alone (a CJK ideograph, punctuation) or a space (U+00A0, U+3000)."""
+    path = resolve_model(model)[1]
+    ref = _reference(path)
+    fast, why = FastWordPiece.build(path / "tokenizer.json", ref)
+    assert why is None
+    assert len(EXTRA) > 27_000 and {"\u3000", "\u00a0", "，", "。", "“", "《", "…", "·"} <= set(EXTRA)
+    texts = [t for c in EXTRA for t in (c, f"a{c}b", f"ab{c}{c}cd", f"({c}!")]
+    texts += ["".join(EXTRA[i:i + 500]) for i in range(0, len(EXTRA), 500)]
+    want = [e.ids for e in ref.encode_batch(texts, add_special_tokens=True)]
+    got = fast.encode(texts)
+    assert all(g is not None for g in got)
+    bad = [t for t, g, w in zip(texts, got, want) if g != w]
+    assert not bad, (model, bad[:5])
+
+
+@needs_build
+def test_other_non_ascii_texts_go_back_to_tokenizers_in_place():
     fast, why = FastWordPiece.build(resolve_model("all-MiniLM-L6-v2")[1] / "tokenizer.json")
     assert why is None
-    texts = [ENGLISH[0], OTHERS[0], ENGLISH[1], OTHERS[1], OTHERS[2]]
+    texts = [ENGLISH[0], OTHERS[0], CHINESE[1], OTHERS[1], OTHERS[2], CHINESE[0]]
     got = fast.encode(texts)
-    assert [g is None for g in got] == [False, True, False, True, True]
+    assert [g is None for g in got] == [False, True, False, True, True, False]
     assert fast.encode([]) == [] and fast.encode(list(OTHERS)) == [None] * len(OTHERS)
 
 
 @needs_build
+def test_without_spaces_around_cjk_in_the_normalizer_chinese_goes_to_tokenizers(tmp_path):
+    """handle_chinese_chars off: an ideograph is no longer a word alone, so Chinese text is left
+    to `tokenizers`; ASCII text, and ASCII with punctuation past it, still come here."""
+    spec = json.loads((resolve_model("all-MiniLM-L6-v2")[1] / "tokenizer.json").read_text())
+    spec["normalizer"]["handle_chinese_chars"] = False
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    ref = _reference(tmp_path)
+    fast, why = FastWordPiece.build(tmp_path / "tokenizer.json", ref)
+    assert why is None
+    texts = [ENGLISH[1], CHINESE[0], "“quoted” — text…"]
+    got = fast.encode(texts)
+    assert got[1] is None and None not in (got[0], got[2])
+    want = [e.ids for e in ref.encode_batch(texts, add_special_tokens=True)]
+    assert got[0] == want[0] and got[2] == want[2]
+
+
+@needs_build
 def test_the_model_tokenizes_mixed_batches_as_tokenizers_does(minilm_model):
-    """English through C, Chinese and accented text through `tokenizers`, in the callers' order,
-    with a query prefix too; the same ids as `tokenizers` alone."""
+    """English and Chinese through C, accented text, emoji and added tokens through `tokenizers`,
+    in the callers' order, with a query prefix too; the same ids as `tokenizers` alone."""
     assert minilm_model.fast_tokenizer is not None
-    texts = [ENGLISH[0], OTHERS[0], ENGLISH[2], OTHERS[4], ENGLISH[5], "hello [MASK] world", OTHERS[1]]
+    texts = [ENGLISH[0], OTHERS[0], ENGLISH[2], CHINESE[1], OTHERS[4], ENGLISH[5], "hello [MASK] world", OTHERS[1]]
     ref = _reference(minilm_model.path)
     for prefix in ("", "query: "):
         want = [e.ids for e in ref.encode_batch([prefix + t for t in texts], add_special_tokens=True)]
@@ -174,7 +221,7 @@ def test_without_a_c_tokenizer_every_text_goes_through_tokenizers(e5_model, monk
     """A model no C tokenizer takes: every text through `tokenizers` (encode_batch_fast, no
     offsets), the same ids as its encode_batch, with and without specials."""
     monkeypatch.setattr(e5_model, "fast_tokenizer", None)
-    texts = list(ENGLISH) + list(OTHERS) + _fuzz(3, 300)
+    texts = list(ENGLISH) + list(CHINESE) + list(OTHERS) + _fuzz(3, 300)
     ref = _reference(e5_model.path)
     assert e5_model.tokenize(texts) == [e.ids for e in ref.encode_batch(texts, add_special_tokens=True)]
     assert e5_model.content_ids(texts) == [e.ids for e in ref.encode_batch(texts, add_special_tokens=False)]

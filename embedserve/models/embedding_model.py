@@ -170,15 +170,16 @@ class EmbeddingModel:
         return tok
 
     def _load_fast_tokenizer(self) -> FastWordPiece | None:
-        """The C WordPiece tokenizer for this model's ASCII texts (`kernels.cpu_wordpiece`), where it
-        takes this tokenizer.json and agrees with `tokenizers` on its probes; else None."""
+        """The C WordPiece tokenizer for this model's ASCII and Chinese texts (`kernels.cpu_wordpiece`),
+        where it takes this tokenizer.json and agrees with `tokenizers` on its probes; else None."""
         if not compute.current().fast_tokenizer:
             return None
         fast, why = FastWordPiece.build(read_spec(self.path / "tokenizer.json"), self.tokenizer)
         if fast is None:
             logger.info("%s: every text through tokenizers (the C WordPiece does not take it: %s)", self.path.name, why)
         else:
-            logger.info("%s: ASCII texts through the C WordPiece, the others through tokenizers", self.path.name)
+            logger.info("%s: ASCII and Chinese texts through the C WordPiece, the others through tokenizers",
+                        self.path.name)
         return fast
 
     def _special_ids(self) -> set[int]:
@@ -294,7 +295,7 @@ class EmbeddingModel:
         # CPU (multilingual-e5-small, 32 texts: 2.84 vs 3.39 ms, `studies.tokenize_bench`)
         if self.fast_tokenizer is None:
             return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=specials)]
-        out = self.fast_tokenizer.encode(texts, specials)       # ASCII texts; None for the others
+        out = self.fast_tokenizer.encode(texts, specials)       # ASCII, CJK; None for the others
         rest = [i for i, ids in enumerate(out) if ids is None]
         if rest:
             encoded = self.tokenizer.encode_batch_fast([texts[i] for i in rest], add_special_tokens=specials)

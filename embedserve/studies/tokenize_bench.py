@@ -2,7 +2,7 @@
 
 In process: CPU milliseconds per request of 32 texts (make bench's corpus, English and Chinese)
 for `tokenizers`' encode_batch (what the server ran before), its encode_batch_fast, and the
-model's `tokenize` (the C WordPiece of kernels/cpu_wordpiece.py for ASCII texts where the model
+model's `tokenize` (the C WordPiece of kernels/cpu_wordpiece.py for ASCII and Chinese texts where the model
 has a WordPiece tokenizer, encode_batch_fast for the rest), alternated round by round, medians.
 
 Served: our server at 32 texts/request × 8 clients over the corpus, sent as text and as the same
