@@ -225,3 +225,12 @@ def test_without_a_c_tokenizer_every_text_goes_through_tokenizers(e5_model, monk
     ref = _reference(e5_model.path)
     assert e5_model.tokenize(texts) == [e.ids for e in ref.encode_batch(texts, add_special_tokens=True)]
     assert e5_model.content_ids(texts) == [e.ids for e in ref.encode_batch(texts, add_special_tokens=False)]
+
+
+@needs_build
+def test_calls_keep_the_gil():
+    """The library is loaded as a PyDLL: a call does not drop the GIL, so the event loop, which
+    tokenizes one-text requests, never waits to win it back from the engine's thread."""
+    import ctypes
+    lib = _library()[0]
+    assert isinstance(lib, ctypes.PyDLL) and lib._func_flags_ & ctypes._FUNCFLAG_PYTHONAPI
