@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_wordpiece.c")
 MAX_CHARS = 1023                 # the C side's scratch word; a longer max_input_chars_per_word is refused
+KEEP_GIL_BYTES = 4096            # a call on at most this much text keeps the GIL (see `_library`)
 
 
 
@@ -86,11 +87,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         lib = None
         if path is not None:
             try:
-                # PyDLL: calls keep the GIL. CDLL drops it for each call and must win it back
-                # after: beside a thread running Python (the engine's between torch ops) a one-text
-                # call took ~220 µs for ~40 µs of work, on the event loop. The calls are short
-                # (32 texts: ~0.1 ms), so holding the GIL through them costs other threads little.
-                lib = ctypes.PyDLL(str(path))
+                lib = ctypes.CDLL(str(path))
             except OSError as exc:
                 why = f"loading {path.name} failed: {exc}"
         if lib is not None:
@@ -98,10 +95,18 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
                                          ctypes.c_char_p, ctypes.c_int32]
             lib.wp_vocab_new.restype = ctypes.c_void_p
             lib.wp_vocab_free.argtypes, lib.wp_vocab_free.restype = [ctypes.c_void_p], None
-            lib.wp_encode_batch.argtypes = ([ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64]
-                                            + [ctypes.c_int32] * 3 + [ctypes.c_void_p, ctypes.c_int32] * 2
-                                            + [ctypes.c_void_p, ctypes.c_void_p])
-            lib.wp_encode_batch.restype = ctypes.c_int64
+            # the same function twice: through the CDLL it drops the GIL for the call, through a
+            # PyDLL of the same library it keeps it. A call that drops it must win it back after:
+            # beside a thread running Python (the engine's, between torch ops) a one-text call took
+            # ~220 µs for ~40 µs of work, on the event loop, which tokenizes small requests. Small
+            # batches keep the GIL; large ones (in the thread pool, ~0.1 ms and more) let the
+            # engine's thread run beside them.
+            lib.encode_keeping_gil = ctypes.PyDLL(str(path)).wp_encode_batch
+            for fn in (lib.wp_encode_batch, lib.encode_keeping_gil):
+                fn.argtypes = ([ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64]
+                               + [ctypes.c_int32] * 3 + [ctypes.c_void_p, ctypes.c_int32] * 2
+                               + [ctypes.c_void_p, ctypes.c_void_p])
+                fn.restype = ctypes.c_int64
         _lib = (lib, why)
     return _lib
 
@@ -239,8 +244,9 @@ class FastWordPiece:
         before, after = (self._before, self._after) if specials else (self._none, self._none)
         ids = (ctypes.c_int32 * max(offsets[n] + n * (len(before) + len(after)), 1))()
         where = (ctypes.c_int64 * (n + 1))()
-        self._lib.wp_encode_batch(self._handle, b"".join(raw), offsets, n, int(self.lowercase), self.max_chars,
-                                  self.unk, before, len(before), after, len(after), ids, where)
+        fn = self._lib.encode_keeping_gil if offsets[n] <= KEEP_GIL_BYTES else self._lib.wp_encode_batch
+        fn(self._handle, b"".join(raw), offsets, n, int(self.lowercase), self.max_chars, self.unk, before,
+           len(before), after, len(after), ids, where)
         for k, i in enumerate(mine):
             out[i] = ids[where[k]:where[k + 1]]
         return out

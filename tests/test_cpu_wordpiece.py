@@ -228,9 +228,23 @@ def test_without_a_c_tokenizer_every_text_goes_through_tokenizers(e5_model, monk
 
 
 @needs_build
-def test_calls_keep_the_gil():
-    """The library is loaded as a PyDLL: a call does not drop the GIL, so the event loop, which
-    tokenizes one-text requests, never waits to win it back from the engine's thread."""
+def test_small_calls_keep_the_gil_and_large_ones_let_it_go(monkeypatch):
+    """A call on little text (a one-text request, tokenized on the event loop) goes through a PyDLL
+    and keeps the GIL, so the loop never waits to win it back from the engine's thread; a large
+    batch (tokenized in the thread pool) goes through the CDLL and lets the engine run beside it."""
     import ctypes
+    from kernels.cpu_wordpiece import KEEP_GIL_BYTES
     lib = _library()[0]
-    assert isinstance(lib, ctypes.PyDLL) and lib._func_flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    assert lib.encode_keeping_gil._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    assert not lib.wp_encode_batch._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    fast, why = FastWordPiece.build(resolve_model("all-MiniLM-L6-v2")[1] / "tokenizer.json")
+    assert why is None
+    used = []
+    for attr in ("encode_keeping_gil", "wp_encode_batch"):
+        real = getattr(lib, attr)
+        monkeypatch.setattr(lib, attr, lambda *a, _real=real, _name=attr: (used.append(_name), _real(*a))[1])
+    small = fast.encode([CHINESE[1]])
+    many = [CHINESE[1]] * (KEEP_GIL_BYTES // len(CHINESE[1].encode()) + 1)
+    big = fast.encode(many)
+    assert used == ["encode_keeping_gil", "wp_encode_batch"]
+    assert big == small * len(many)
