@@ -46,6 +46,14 @@ def cut_model(path: Path, layers: int, into: Path) -> Path:
     return into
 
 
+def add_worktree(root: Path, rev: str, into: Path) -> None:
+    """A detached git worktree of `rev` at `into`; SystemExit saying why where git refuses."""
+    r = subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(into), rev],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"--against {rev}: git worktree add failed: {r.stderr.strip() or r.stdout.strip()}")
+
+
 def _server_pid(port: int) -> int:
     out = subprocess.check_output(["pgrep", "-n", "-f", f"embedserve.cli serve .*--port {port}( |$)"])
     return int(out.split()[0])
@@ -91,8 +99,7 @@ def study(against: str, model: str, layers: int | None, dtype: str, rounds: int)
     from embedserve.studies.compare.embeddings import corpus
     work = Path(tempfile.mkdtemp(prefix="http-path-"))
     old = work / "tree"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), against], check=True,
-                   capture_output=True)
+    add_worktree(ROOT, against, old)
     try:
         name, path = resolve_model(model)
         served = str(cut_model(path, layers, work / f"{name}-{layers}-layers")) if layers else model
