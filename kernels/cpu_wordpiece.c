@@ -155,9 +155,10 @@ int64_t wp_encode_batch(const void *handle, const char *text, const int64_t *off
                 int64_t nb = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : 2;
                 if (nb > offsets[t + 1] - i) nb = offsets[t + 1] - i;     /* a cut sequence: what is left */
                 if (len) { word_pieces(v, word, len, len, max_chars, unk, out, &k); len = 0; }
-                const int space = (nb == 2 && c == 0xc2 && (uint8_t)text[i + 1] == 0xa0)      /* U+00A0 */
+                /* U+00A0 (c2 a0) and U+3000 (e3 80 80) are spaces; any other is a word alone */
+                const int space = (nb == 2 && c == 0xc2 && (uint8_t)text[i + 1] == 0xa0)
                                || (nb == 3 && c == 0xe3 && (uint8_t)text[i + 1] == 0x80 && (uint8_t)text[i + 2] == 0x80);
-                if (!space) word_pieces(v, text + i, nb, 1, max_chars, unk, out, &k);   /* U+3000: space */
+                if (!space) word_pieces(v, text + i, nb, 1, max_chars, unk, out, &k);
                 i += nb - 1;
             } else {
                 if (len == (int64_t)sizeof(word)) {

@@ -5,15 +5,15 @@ FastAPI's own path to an endpoint (its exception and exit-stack middleware, the 
 over every route, the request-response wrapper and the dependency solver) cost about a third of
 the event loop's CPU per one-text request (py-spy, 1 text/request x 8 clients). The routes stay
 registered with FastAPI for /openapi.json and /docs; their endpoints take the `Request` alone and
-return a `Response`, so the same function answers either way, and errors leave through the same
-handlers (`errors.exception_response`)."""
+return a `Response`, so the same function answers either way, and errors leave through the
+handler the app's exception handlers use (`app._handle_error`)."""
 
 from __future__ import annotations
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .middleware import _leaf_routes
+from .middleware import leaf_routes
 
 DIRECT = (("POST", "/v1/embeddings"),)
 
@@ -28,7 +28,7 @@ class DirectRoutes:
 
     def _resolve(self, app) -> dict:
         table = {}
-        for route in _leaf_routes(app.router.routes):
+        for route in leaf_routes(app.router.routes):
             for method, path in DIRECT:
                 if getattr(route, "path", None) == path and method in (getattr(route, "methods", None) or ()):
                     table[(method, path)] = route

@@ -104,16 +104,16 @@ def route_template(scope) -> str:
         return UNMATCHED
     table = getattr(app.state, "route_templates", None)
     if table is None:                       # built once: the routes are fixed when the app starts
-        table = app.state.route_templates = [(r.path_regex, r.path) for r in _leaf_routes(app.router.routes)]
+        table = app.state.route_templates = [(r.path_regex, r.path) for r in leaf_routes(app.router.routes)]
     path = scope["path"]
     return next((template for regex, template in table if regex.match(path)), UNMATCHED)
 
 
-def _leaf_routes(routes):
+def leaf_routes(routes):
     """The routes that match paths, through included routers of any nesting."""
     for r in routes:
         inner = getattr(r, "routes", None) or getattr(getattr(r, "original_router", None), "routes", None)
         if inner:
-            yield from _leaf_routes(inner)
+            yield from leaf_routes(inner)
         elif getattr(r, "path_regex", None) is not None and getattr(r, "path", None):
             yield r

@@ -178,8 +178,7 @@ class EmbeddingModel:
         if fast is None:
             logger.info("%s: every text through tokenizers (the C WordPiece does not take it: %s)", self.path.name, why)
         else:
-            logger.info("%s: ASCII and Chinese texts through the C WordPiece, the others through tokenizers",
-                        self.path.name)
+            logger.info("%s: ASCII and Chinese texts through the C WordPiece, others via tokenizers", self.path.name)
         return fast
 
     def _special_ids(self) -> set[int]:
