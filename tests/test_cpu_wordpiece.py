@@ -41,6 +41,18 @@ def _reference(path) -> Tokenizer:
     return tok
 
 
+def _minilm_normalizer(tmp_path, **normalizer) -> tuple[Tokenizer, FastWordPiece]:
+    """MiniLM's tokenizer.json with its normalizer's fields changed, written under `tmp_path`:
+    `tokenizers`' reference and the C tokenizer built from it, which must take it."""
+    spec = json.loads((resolve_model("all-MiniLM-L6-v2")[1] / "tokenizer.json").read_text())
+    spec["normalizer"].update(normalizer)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    ref = _reference(tmp_path)
+    fast, why = FastWordPiece.build(tmp_path / "tokenizer.json", ref)
+    assert why is None and fast is not None
+    return ref, fast
+
+
 def _fuzz(seed: int, n: int) -> list[str]:
     """ASCII texts: every code point 0-127 at random, word salads with punctuation and controls,
     the added tokens' contents in any case, words at the 100-character limit and past it; and
@@ -127,12 +139,7 @@ def test_other_non_ascii_texts_go_back_to_tokenizers_in_place():
 def test_without_spaces_around_cjk_in_the_normalizer_chinese_goes_to_tokenizers(tmp_path):
     """handle_chinese_chars off: an ideograph is no longer a word alone, so Chinese text is left
     to `tokenizers`; ASCII text, and ASCII with punctuation past it, still come here."""
-    spec = json.loads((resolve_model("all-MiniLM-L6-v2")[1] / "tokenizer.json").read_text())
-    spec["normalizer"]["handle_chinese_chars"] = False
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    ref = _reference(tmp_path)
-    fast, why = FastWordPiece.build(tmp_path / "tokenizer.json", ref)
-    assert why is None
+    ref, fast = _minilm_normalizer(tmp_path, handle_chinese_chars=False)
     texts = [ENGLISH[1], CHINESE[0], "“quoted” — text…"]
     got = fast.encode(texts)
     assert got[1] is None and None not in (got[0], got[2])
@@ -160,12 +167,7 @@ def test_the_model_tokenizes_mixed_batches_as_tokenizers_does(minilm_model):
 def test_cased_wordpiece_keeps_case(tmp_path):
     """A tokenizer.json whose normalizer does not lowercase: pieces keep their case, as in
     `tokenizers` (the uncased vocabulary turns capitalised words into [UNK] or smaller pieces)."""
-    spec = json.loads((resolve_model("all-MiniLM-L6-v2")[1] / "tokenizer.json").read_text())
-    spec["normalizer"]["lowercase"] = False
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    ref = _reference(tmp_path)
-    fast, why = FastWordPiece.build(tmp_path / "tokenizer.json", ref)
-    assert why is None
+    ref, fast = _minilm_normalizer(tmp_path, lowercase=False)
     texts = list(ENGLISH) + _fuzz(7, 600)
     want = [e.ids for e in ref.encode_batch(texts, add_special_tokens=True)]
     got = fast.encode(texts)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -64,14 +63,7 @@ def one_side(tree: Path, model: str, dtype: str, data: Path, requests: dict[str,
     from embedserve.studies.compare import peers
     from embedserve.studies.compare.embeddings import EMBED_WORKLOADS
     from embedserve.studies.profile_served import _thread_cpu
-    here = os.getcwd()
-    os.chdir(tree)                          # `python -m embedserve.cli` imports the tree it starts in
-    try:
-        server = peers.ours(model, dtype)
-        base = server.__enter__()
-    finally:
-        os.chdir(here)
-    try:
+    with peers.ours(model, dtype, cwd=tree) as base:       # `python -m` imports the tree it starts in
         import httpx
         name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         pid = _server_pid(int(base.rsplit(":", 1)[1]))
@@ -88,8 +80,6 @@ def one_side(tree: Path, model: str, dtype: str, data: Path, requests: dict[str,
                           "loop_ms_per_request": (c1[pid] - c0[pid]) / n * 1e3,
                           "failed": r["metrics"]["failed"]}
         return out
-    finally:
-        server.__exit__(None, None, None)
 
 
 def study(against: str, model: str, layers: int | None, dtype: str, rounds: int) -> dict:
@@ -119,12 +109,13 @@ def study(against: str, model: str, layers: int | None, dtype: str, rounds: int)
     rows = []
     for label in requests:
         new, base = runs["this tree"], runs[against]
+        ratios = [a[label]["texts_per_s"] / b[label]["texts_per_s"] for a, b in zip(new, base)]
         rows.append({"workload": label,
                      "texts_per_s": {k: statistics.median(x[label]["texts_per_s"] for x in v) for k, v in runs.items()},
                      "loop_ms_per_request": {k: statistics.median(x[label]["loop_ms_per_request"] for x in v)
                                              for k, v in runs.items()},
-                     "ratio": statistics.median(a[label]["texts_per_s"] / b[label]["texts_per_s"] for a, b in zip(new, base)),
-                     "ratios": [a[label]["texts_per_s"] / b[label]["texts_per_s"] for a, b in zip(new, base)],
+                     "ratio": statistics.median(ratios),
+                     "ratios": ratios,
                      "failed": sum(x[label]["failed"] for v in runs.values() for x in v)})
     return {"against": against, "model": model, "layers": layers, "dtype": dtype, "rounds": rounds,
             "date": time.strftime("%Y-%m-%d"), "flags": sorted(f for f in cpu_flags()

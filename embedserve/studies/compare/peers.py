@@ -59,10 +59,11 @@ def _port() -> int:
 
 
 @contextmanager
-def served(name: str, cmd: list[str], port: int, ready: str, env: dict | None = None, timeout: float = 400):
+def served(name: str, cmd: list[str], port: int, ready: str, env: dict | None = None, timeout: float = 400,
+           cwd: Path | None = None):
     """A server subprocess, yielded once `ready` answers 200; its log in a temp file."""
     logf = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{name}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd)
     base = f"http://127.0.0.1:{port}"
     t0 = time.time()
     try:
@@ -89,12 +90,13 @@ def served(name: str, cmd: list[str], port: int, ready: str, env: dict | None = 
             proc.wait()
 
 
-def ours(model: str, dtype: str, generate: str = "none", extra: tuple = ()):
+def ours(model: str, dtype: str, generate: str = "none", extra: tuple = (), cwd: Path | None = None):
+    """Our server (`python -m embedserve.cli`, so the package of `cwd` where given: another tree's)."""
     port = _port()
     cmd = [sys.executable, "-m", "embedserve.cli", "serve", "--model", model, "--dtype", dtype, "--port", str(port),
            "--generate-model", generate, "--max-concurrent-requests", "4096", "--max-queued-tokens", "4000000",
            "--log-level", "warning", *extra]
-    return served(f"embedserve-{dtype}", cmd, port, "/ready")
+    return served(f"embedserve-{dtype}", cmd, port, "/ready", cwd=cwd)
 
 
 def infinity(model_dir: Path, name: str, dtype: str):
