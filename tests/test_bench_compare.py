@@ -149,3 +149,25 @@ def test_skip_leaves_a_section_out_of_a_whole_run_and_says_so(tmp_path, monkeypa
     with pytest.raises(SystemExit):
         compare.main(["--only", "encoder", "--skip", "rerank", "--out", str(out)])
     assert "--only runs one section" in capsys.readouterr().err
+
+
+def test_the_decoder_alone_in_process_is_each_run_against_the_copy_measured_beside_it():
+    from embedserve.studies.compare.ceiling import _in_process_decoder
+    # three runs of 127 decode steps; 270 MB per step: 100 steps/s = 27 GB/s
+    runs = [{"decode_s": 1.27, "copy_gb_per_s": 30.0}, {"decode_s": 1.27, "copy_gb_per_s": 45.0},
+            {"decode_s": 1.27 * 2, "copy_gb_per_s": 27.0}]
+    single = {"new_tokens": 128, "rows": [{"key": "ours_int8", "decode_tokens_per_s": 200.0, "detail": runs[:1]},
+                                          {"key": "ours", "decode_tokens_per_s": 100.0, "detail": runs}]}
+    ip = _in_process_decoder(single, 270e6)["in_process"]
+    assert [round(f, 3) for f in ip["fractions"]] == [0.9, 0.6, 0.5]      # each run against its own copy
+    assert ip["fraction"] == ip["fractions"][1] and ip["copy_gb_per_s"] == 30.0
+    assert ip["steps_per_s"] == 100.0 and abs(ip["achieved_gb_per_s"] - 27.0) < 1e-9
+    # a section from before the per-run copy, or without our row: nothing claimed
+    assert _in_process_decoder({"rows": [{"key": "ours", "detail": [{"decode_s": 1.0}]}]}, 270e6) == {}
+    assert _in_process_decoder({}, 270e6) == {}
+    res = _result(infinity_missing=False)
+    res["ceiling"]["decoder"]["in_process"] = ip
+    md = compare.markdown(res)
+    assert "In process (the single stream above, ours native, decode steps only): 100.0 steps/s = 27.0 GB/s" in md
+    assert "against 30.0 GB/s copied just before each run (**60 %**, the median of the runs' 90, 60, 50 %)" in md
+    assert "In process (the single stream" not in compare.markdown(_result(infinity_missing=False))          # an older result: the served line alone

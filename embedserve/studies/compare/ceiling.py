@@ -5,6 +5,7 @@ memory bandwidth."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -70,13 +71,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def copy_bandwidth(mib: int = 512, reps: int = 5) -> float:
+def copy_buffers(mib: int = 512):
+    """A source and a destination of `mib` MiB for `copy_rate`, the destination written once."""
     import torch
     src = torch.empty(mib * 2 ** 20, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
     dst.copy_(src)
+    return src, dst
+
+
+def copy_rate(src, dst, reps: int = 5) -> float:
+    """Bytes/s of the best of `reps` copies of src into dst, read and write counted."""
     best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
-    return 2 * src.numel() / best                    # read + write
+    return 2 * src.numel() / best
+
+
+def copy_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    return copy_rate(*copy_buffers(mib), reps)
 
 
 def encoder_flops_per_token(model_dir: Path, avg_len: float) -> float:
@@ -134,4 +145,22 @@ def bench_ceiling(emb: dict, gen: dict) -> dict:
     out["decoder"] = {"params": params, "dtype": gdtype, "bytes_per_step": width * params, "steps_per_s_alone": alone,
                       "achieved_gb_per_s": width * params * alone / 1e9, "copy_gb_per_s": bw / 1e9,
                       "fraction": width * params * alone / bw}
+    out["decoder"].update(_in_process_decoder(gen.get("single_stream", {}), width * params))
     return out
+
+
+def _in_process_decoder(single: dict, bytes_per_step: float) -> dict:
+    """The decoder alone in process (the single stream's native row: steady decode steps, no HTTP, no
+    prompt), each run against the copy bandwidth measured just before it (the machine's memory
+    bandwidth drifts by a third within an hour here, so a copy measured minutes apart says little):
+    the median of the runs' fractions. Empty where the section has no such row or no per-run copy."""
+    row = next((r for r in single.get("rows", []) if r.get("key") == "ours"), None)
+    runs = [r for r in (row or {}).get("detail", []) if r.get("copy_gb_per_s")]
+    if not runs:
+        return {}
+    new = single.get("new_tokens", 128) - 1
+    fracs = [bytes_per_step * new / r["decode_s"] / (r["copy_gb_per_s"] * 1e9) for r in runs]
+    return {"in_process": {"steps_per_s": row["decode_tokens_per_s"],
+                           "achieved_gb_per_s": bytes_per_step * row["decode_tokens_per_s"] / 1e9,
+                           "copy_gb_per_s": statistics.median(r["copy_gb_per_s"] for r in runs),
+                           "fraction": statistics.median(fracs), "fractions": fracs}}

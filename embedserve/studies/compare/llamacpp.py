@@ -141,6 +141,8 @@ def ours_single_stream(path: Path, tok, dtype: str, decode_weights: str, prompt:
     from embedserve.errors import ConfigError
     from embedserve.serve import load_decoder
 
+    from .ceiling import copy_buffers, copy_rate
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -154,7 +156,12 @@ def ours_single_stream(path: Path, tok, dtype: str, decode_weights: str, prompt:
         eng = DecodeEngine(model, tok, cfg, num_blocks=max(64, -(-need // 16) + 2))
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         _one(eng, prompt, params)                   # warm-up
-        rs = [_one(eng, prompt, params) for _ in range(runs)]
+        src, dst = copy_buffers()
+        rs = []
+        for _ in range(runs):                       # each run beside a copy measured just before it (ceiling.py)
+            copy = copy_rate(src, dst) / 1e9
+            rs.append({**_one(eng, prompt, params), "copy_gb_per_s": copy})
+        del src, dst
     finally:
         torch.set_num_threads(before)
     ids = [r.pop("ids") for r in rs][-1]

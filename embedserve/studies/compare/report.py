@@ -90,7 +90,16 @@ def markdown(res: dict) -> str:
     lines += ["", f"Decoder alone ({d.get('dtype', 'bfloat16')}, one sequence): {d['params'] / 1e6:.0f} M parameters = "
               f"{d.get('bytes_per_step', d.get('bytes_per_step_bf16', 0)) / 1e6:.0f} MB read per step × {d['steps_per_s_alone']:.0f} steps/s = "
               f"{d['achieved_gb_per_s']:.1f} GB/s against {d['copy_gb_per_s']:.1f} GB/s measured copy bandwidth "
-              f"({100 * d['fraction']:.0f} %).", ""]
+              f"({100 * d['fraction']:.0f} %)."]
+    if "in_process" in d:
+        ip = d["in_process"]
+        lines[-1] += (" Served, the steps/s are the output tokens/s of one client (prompts and requests' gaps "
+                      f"included) against a copy measured after the run. In process (the single stream above, ours "
+                      f"native, decode steps only): {ip['steps_per_s']:.1f} steps/s = {ip['achieved_gb_per_s']:.1f} GB/s "
+                      f"against {ip['copy_gb_per_s']:.1f} GB/s copied just before each run "
+                      f"(**{100 * ip['fraction']:.0f} %**, the median of the runs' "
+                      f"{', '.join(f'{100 * x:.0f}' for x in ip['fractions'])} %).")
+    lines.append("")
     return "\n".join(lines)
 
 
