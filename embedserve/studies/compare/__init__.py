@@ -32,9 +32,11 @@ builds them once); a peer that is not installed is reported as such, never estim
               (llama-cpp-python built for this CPU) on the wheel's Q4_1 GGUF and a Q8_0 made from it
   ceiling     the encoder's FLOPs/token × our tokens/s against the FLOP/s of 4,096 tokens through
               its FFN up-projection (4096 × 384 × 1536 for these two encoders), and the
-              decoder's weight bytes per step × steps/s against a copy's memory bandwidth; the
-              encoder in process and the matmul rate are measured right after our served runs of
-              the same precision (this machine's speed moves by 10-15 % within minutes)
+              decoder's weight bytes per step × steps/s against a copy's memory bandwidth (served:
+              one client's tokens/s against a copy after the run; in process: each single-stream
+              run against a copy timed just before it); the encoder in process and the matmul rate
+              are measured right after our served runs of the same precision (this machine's speed
+              moves by 10-15 % within minutes, its memory bandwidth by up to a third in an hour)
 
     python -m embedserve.studies.compare            # what `make bench` runs (about 55 minutes on 2 AVX2 cores,
                                                     # before rerank, which adds 17-23: fp32, and bf16 where fast,

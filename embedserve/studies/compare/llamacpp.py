@@ -9,6 +9,8 @@ then 128 new tokens, greedy (temperature 0), EOS ignored, 2 threads on each side
 n_threads and n_threads_batch), one warm-up and the median of `runs` runs. Time to first token
 (the prompt evaluated and one token sampled) is timed apart from decoding: decode tokens/s =
 127 / the time from the first token to the 128th. llama.cpp's own timers add its prompt-eval time.
+Before each of our runs a 512 MiB copy is timed (`copy_gb_per_s` in the run's detail), so the
+ceiling can set the decoder's weight bytes per second against the bandwidth of that minute.
 
   ours       `load_decoder(path, dtype, "cpu", "native" | "int8", tok)` (serve.py's), dtype the
              decoder's best here (`peer_precision()`: float32 on an AVX2-only CPU); prefix caching

@@ -94,9 +94,10 @@ def markdown(res: dict) -> str:
     if "in_process" in d:
         ip = d["in_process"]
         lines[-1] += (" Served, the steps/s are the output tokens/s of one client (prompts and requests' gaps "
-                      f"included) against a copy measured after the run. In process (the single stream above, ours "
-                      f"native, decode steps only): {ip['steps_per_s']:.1f} steps/s = {ip['achieved_gb_per_s']:.1f} GB/s "
-                      f"against {ip['copy_gb_per_s']:.1f} GB/s copied just before each run "
+                      "included) against a copy measured after the run. In process (the single stream above, "
+                      f"ours native, decode steps only): {ip['steps_per_s']:.1f} steps/s = "
+                      f"{ip['achieved_gb_per_s']:.1f} GB/s against {ip['copy_gb_per_s']:.1f} GB/s copied just before "
+                      "each run "
                       f"(**{100 * ip['fraction']:.0f} %**, the median of the runs' "
                       f"{', '.join(f'{100 * x:.0f}' for x in ip['fractions'])} %).")
     lines.append("")
